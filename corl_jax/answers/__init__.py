@@ -1,0 +1,1 @@
+"""Answer extraction, normalisation and grading (math) and sandboxed execution (code)."""
