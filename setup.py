@@ -1,0 +1,51 @@
+"""corl_jax: Co-RL (label-free multi-agent GRPO for LLM reasoning) in JAX/Flax NNX."""
+
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "jax>=0.10.2,<0.13",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.5,<0.3",
+    "orbax-checkpoint>=0.11,<0.13",
+    "grain>=0.2.10,<0.3",
+    "ml-collections>=1.0,<2",
+    "tensorflow-datasets>=4.9.8,<5",
+    "transformers>=4.56,<6",
+    "safetensors>=0.5,<1",
+    "tokenizers>=0.21,<1",
+    "jinja2>=3.1,<4",
+    "sympy>=1.13,<2",
+    "pylatexenc>=2.10,<3",
+    "word2number>=1.1,<2",
+    "regex>=2024.0",
+    "numpy>=1.26",
+    "ml_dtypes>=0.5",
+    "absl-py>=2.0",
+    "tensorboardX>=2.6",
+    "tqdm>=4.66",
+    "pyarrow>=15",
+    "psutil>=5.9",
+]
+
+EXTRAS = {
+    # CPU torch is the parity oracle (HF transformers) and converts the real GGUF test model.
+    "test": [
+        "pytest>=8",
+        "hypothesis>=6.100",
+        "torch==2.13.0",
+        "gguf>=0.10",
+        "accelerate>=1.0",
+    ],
+    "gpu": ["jax[cuda13]>=0.10.2,<0.13"],
+    "tpu": ["jax[tpu]>=0.10.2,<0.13"],
+}
+
+setup(
+    name="corl_jax",
+    version="0.1.0",
+    description="Co-RL: label-free multi-agent GRPO for LLM reasoning, in JAX/Flax NNX",
+    packages=find_packages(include=["corl_jax", "corl_jax.*"]),
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
