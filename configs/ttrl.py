@@ -4,4 +4,4 @@ from corl_jax.config import apply_variant, baseline_config
 
 
 def get_config(variant: str = ""):
-  return apply_variant(baseline_config("ttrl"), variant)
+    return apply_variant(baseline_config("ttrl"), variant)

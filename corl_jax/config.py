@@ -17,189 +17,189 @@ PLACEMENTS = ("shared", "partitioned")
 
 
 def agent_config(model_path: str, family: str, **overrides) -> ml_collections.ConfigDict:
-  """One agent: its checkpoint, precision, optional chat template and optional rephrased text field.
+    """One agent: its checkpoint, precision, optional chat template and optional rephrased text field.
 
-  `family` (qwen2 / llama / qwen3) picks the architecture of the agent's stand-in in the `tiny` and `demo` variants.
-  """
-  agent = ml_collections.ConfigDict({
-      "model_path": model_path,
-      "family": family,
-      "param_dtype": "float32",      # fp32 master weights (the reference: DeepSpeed fp32 master + bf16 compute)
-      "compute_dtype": "bfloat16",
-      "chat_template": "",           # "" = the tokenizer's own template
-      "text_field": "text",          # "text" or "rephrased" (Different family+)
-      "learning_rate": -1.0,         # < 0: use optim.learning_rate
-  })
-  agent.update(overrides)
-  return agent
+    `family` (qwen2 / llama / qwen3) picks the architecture of the agent's stand-in in the `tiny` and `demo` variants.
+    """
+    agent = ml_collections.ConfigDict({
+            "model_path": model_path,
+            "family": family,
+            "param_dtype": "float32",      # fp32 master weights (the reference: DeepSpeed fp32 master + bf16 compute)
+            "compute_dtype": "bfloat16",
+            "chat_template": "",           # "" = the tokenizer's own template
+            "text_field": "text",          # "text" or "rephrased" (Different family+)
+            "learning_rate": -1.0,         # < 0: use optim.learning_rate
+    })
+    agent.update(overrides)
+    return agent
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """Reference hyperparameters (co_rl_reference.md §2.1-2.2) for a Co-RL ring of agents."""
-  c = ml_collections.ConfigDict()
-  c.method = "co_rl"
-  c.topology = "ring"
-  c.self_consistency_threshold = 0.0
-  c.seed = 42
-  c.data_seed = 42
-  c.agents = ml_collections.ConfigDict()  # name -> agent_config(...); insertion order is the ring order
+    """Reference hyperparameters (co_rl_reference.md §2.1-2.2) for a Co-RL ring of agents."""
+    c = ml_collections.ConfigDict()
+    c.method = "co_rl"
+    c.topology = "ring"
+    c.self_consistency_threshold = 0.0
+    c.seed = 42
+    c.data_seed = 42
+    c.agents = ml_collections.ConfigDict()  # name -> agent_config(...); insertion order is the ring order
 
-  c.data = ml_collections.ConfigDict({
-      "train_path": "hf:q1716523669/MATH-Level345",  # JSON / JSONL / parquet file, "hf:<name>[:split]", "tfds:<name>[:split]", "arithmetic"
-      "question_field": "",      # "" = auto-detect (prompt / problem / question)
-      "answer_field": "",        # "" = auto-detect (answer / solution / Answer)
-      "eval_path": "",           # "" = the reference's 150-row holdout of the training file
-      "holdout_size": 150,
-      "max_train_samples": 0,    # 0 = all
-      "max_eval_samples": 0,
-      "skip_bad_rows": False,
-  })
-  c.rollout = ml_collections.ConfigDict({
-      "prompts_per_step": 16,
-      "num_generations": 8,
-      "max_new_tokens": 1024,
-      "max_prompt_len": 1024,
-      "temperature": 1.0,
-      "top_p": 1.0,
-      "top_k": 0,
-      "min_p": 0.0,
-  })
-  c.grpo = ml_collections.ConfigDict({
-      "loss_type": "bnpo",
-      "scale_rewards": "group",
-      "eps_low": 0.2,
-      "eps_high": 0.2,
-      "beta": 0.0,
-      "num_iterations": 1,
-      "micro_batch_size": 2,      # sequences per forward/backward (the reference: 2 per device)
-      "mask_truncated_completions": False,
-      "logprob_chunk_size": 8192,  # vocabulary chunk of the per-token log-prob computation
-      "remat": True,
-  })
-  c.optim = ml_collections.ConfigDict({
-      "learning_rate": 1e-6,
-      "warmup_ratio": 0.03,
-      "min_lr_rate": 0.1,
-      "b1": 0.9,
-      "b2": 0.95,
-      "eps": 1e-8,
-      "weight_decay": 0.0,
-      "max_grad_norm": 1.0,
-  })
-  c.train = ml_collections.ConfigDict({
-      "max_steps": 50,
-      "eval_every": 10,
-      "eval_on_start": True,
-      "eval_temperature": 0.6,
-      "eval_max_new_tokens": 1024,
-      "eval_batch_prompts": 64,
-      "save_every": 10,
-      "keep_last": 2,
-      "resume": True,
-      "max_nonfinite_updates": 3,
-      "log_records": True,        # per-prompt vote records (records.jsonl) for the error-overlap analysis
-  })
-  c.placement = "shared"
-  c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
-  return c
+    c.data = ml_collections.ConfigDict({
+            "train_path": "hf:q1716523669/MATH-Level345",  # JSON / JSONL / parquet file, "hf:<name>[:split]", "tfds:<name>[:split]", "arithmetic"
+            "question_field": "",      # "" = auto-detect (prompt / problem / question)
+            "answer_field": "",        # "" = auto-detect (answer / solution / Answer)
+            "eval_path": "",           # "" = the reference's 150-row holdout of the training file
+            "holdout_size": 150,
+            "max_train_samples": 0,    # 0 = all
+            "max_eval_samples": 0,
+            "skip_bad_rows": False,
+    })
+    c.rollout = ml_collections.ConfigDict({
+            "prompts_per_step": 16,
+            "num_generations": 8,
+            "max_new_tokens": 1024,
+            "max_prompt_len": 1024,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+    })
+    c.grpo = ml_collections.ConfigDict({
+            "loss_type": "bnpo",
+            "scale_rewards": "group",
+            "eps_low": 0.2,
+            "eps_high": 0.2,
+            "beta": 0.0,
+            "num_iterations": 1,
+            "micro_batch_size": 2,      # sequences per forward/backward (the reference: 2 per device)
+            "mask_truncated_completions": False,
+            "logprob_chunk_size": 8192,  # vocabulary chunk of the per-token log-prob computation
+            "remat": True,
+    })
+    c.optim = ml_collections.ConfigDict({
+            "learning_rate": 1e-6,
+            "warmup_ratio": 0.03,
+            "min_lr_rate": 0.1,
+            "b1": 0.9,
+            "b2": 0.95,
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+    })
+    c.train = ml_collections.ConfigDict({
+            "max_steps": 50,
+            "eval_every": 10,
+            "eval_on_start": True,
+            "eval_temperature": 0.6,
+            "eval_max_new_tokens": 1024,
+            "eval_batch_prompts": 64,
+            "save_every": 10,
+            "keep_last": 2,
+            "resume": True,
+            "max_nonfinite_updates": 3,
+            "log_records": True,        # per-prompt vote records (records.jsonl) for the error-overlap analysis
+    })
+    c.placement = "shared"
+    c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+    return c
 
 
 def baseline_config(method: str) -> ml_collections.ConfigDict:
-  """A single-agent baseline (ttrl / gt_reward / rent / intuitor) on Qwen2.5-1.5B, as the reference's launchers."""
-  c = base_config()
-  c.method = method
-  c.agents.qwen25 = agent_config("Qwen/Qwen2.5-1.5B", "qwen2")
-  return c
+    """A single-agent baseline (ttrl / gt_reward / rent / intuitor) on Qwen2.5-1.5B, as the reference's launchers."""
+    c = base_config()
+    c.method = method
+    c.agents.qwen25 = agent_config("Qwen/Qwen2.5-1.5B", "qwen2")
+    return c
 
 
 def topology_of(config: ml_collections.ConfigDict) -> str:
-  """The supervision topology a config runs: its own for Co-RL, the method's for the baselines."""
-  return config.topology if config.method == "co_rl" else METHOD_TOPOLOGY[config.method]
+    """The supervision topology a config runs: its own for Co-RL, the method's for the baselines."""
+    return config.topology if config.method == "co_rl" else METHOD_TOPOLOGY[config.method]
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Raise ValueError naming the offending key and the fix for a config that cannot run."""
+    """Raise ValueError naming the offending key and the fix for a config that cannot run."""
 
-  def fail(key: str, problem: str, fix: str):
-    raise ValueError(f"config.{key}: {problem}. Fix: {fix}")
+    def fail(key: str, problem: str, fix: str):
+        raise ValueError(f"config.{key}: {problem}. Fix: {fix}")
 
-  if config.method not in METHODS:
-    fail("method", f"unknown method {config.method!r}", f"use one of {METHODS}")
-  n = len(config.agents)
-  if n == 0:
-    fail("agents", "no agent configured", "add at least one agent with corl_jax.config.agent_config(path)")
-  if config.method == "co_rl":
-    if config.topology not in CO_RL_TOPOLOGIES:
-      fail("topology", f"unknown Co-RL topology {config.topology!r}", f"use one of {CO_RL_TOPOLOGIES}")
-    if n < 2:
-      fail("agents", f"co_rl needs at least 2 agents, got {n}",
-           "add a peer agent, or use method='ttrl' for a single self-rewarding agent")
-    if config.topology == "pair" and n != 2:
-      fail("topology", f"'pair' is mutual supervision of exactly 2 agents, got {n}", "use 'ring' for 3 or more")
-    if config.topology == "peer_majority" and n < 3:
-      fail("topology", "'peer_majority' needs at least 3 agents", "use 'pair' or 'ring'")
-  for name, agent in config.agents.items():
-    if not agent.model_path:
-      fail(f"agents.{name}.model_path", "empty", "point it at a local Hugging Face checkpoint directory")
-    if agent.text_field not in ("text", "rephrased"):
-      fail(f"agents.{name}.text_field", f"unknown {agent.text_field!r}", "use 'text' or 'rephrased'")
-  r = config.rollout
-  if r.num_generations < 2:
-    fail("rollout.num_generations", f"G={r.num_generations}: group advantages need at least 2 completions",
-         "set it to 2 or more (the reference uses 8)")
-  if r.prompts_per_step < 1:
-    fail("rollout.prompts_per_step", "must be at least 1", "set a positive number of prompts per step")
-  if not 0.0 < r.top_p <= 1.0:
-    fail("rollout.top_p", f"{r.top_p} is outside (0, 1]", "use 1.0 to disable nucleus sampling")
-  if r.temperature < 0:
-    fail("rollout.temperature", "negative", "use 0 for greedy or a positive temperature")
-  g = config.grpo
-  if g.loss_type not in LOSS_TYPES:
-    fail("grpo.loss_type", f"unknown {g.loss_type!r}", f"use one of {LOSS_TYPES}")
-  if g.scale_rewards not in ("group", "batch", "none"):
-    fail("grpo.scale_rewards", f"unknown {g.scale_rewards!r}", "use 'group', 'batch' or 'none'")
-  if g.num_iterations < 1:
-    fail("grpo.num_iterations", "must be at least 1", "set 1 (the reference)")
-  batch = r.prompts_per_step * r.num_generations
-  if batch % g.micro_batch_size:
-    fail("grpo.micro_batch_size", f"{g.micro_batch_size} does not divide the {batch} completions of a step",
-         "pick a divisor of prompts_per_step * num_generations")
-  if config.placement not in PLACEMENTS:
-    fail("placement", f"unknown {config.placement!r}", f"use one of {PLACEMENTS}")
-  if config.train.max_steps < 1:
-    fail("train.max_steps", "must be at least 1", "set a positive number of steps")
+    if config.method not in METHODS:
+        fail("method", f"unknown method {config.method!r}", f"use one of {METHODS}")
+    n = len(config.agents)
+    if n == 0:
+        fail("agents", "no agent configured", "add at least one agent with corl_jax.config.agent_config(path)")
+    if config.method == "co_rl":
+        if config.topology not in CO_RL_TOPOLOGIES:
+            fail("topology", f"unknown Co-RL topology {config.topology!r}", f"use one of {CO_RL_TOPOLOGIES}")
+        if n < 2:
+            fail("agents", f"co_rl needs at least 2 agents, got {n}",
+                      "add a peer agent, or use method='ttrl' for a single self-rewarding agent")
+        if config.topology == "pair" and n != 2:
+            fail("topology", f"'pair' is mutual supervision of exactly 2 agents, got {n}", "use 'ring' for 3 or more")
+        if config.topology == "peer_majority" and n < 3:
+            fail("topology", "'peer_majority' needs at least 3 agents", "use 'pair' or 'ring'")
+    for name, agent in config.agents.items():
+        if not agent.model_path:
+            fail(f"agents.{name}.model_path", "empty", "point it at a local Hugging Face checkpoint directory")
+        if agent.text_field not in ("text", "rephrased"):
+            fail(f"agents.{name}.text_field", f"unknown {agent.text_field!r}", "use 'text' or 'rephrased'")
+    r = config.rollout
+    if r.num_generations < 2:
+        fail("rollout.num_generations", f"G={r.num_generations}: group advantages need at least 2 completions",
+                  "set it to 2 or more (the reference uses 8)")
+    if r.prompts_per_step < 1:
+        fail("rollout.prompts_per_step", "must be at least 1", "set a positive number of prompts per step")
+    if not 0.0 < r.top_p <= 1.0:
+        fail("rollout.top_p", f"{r.top_p} is outside (0, 1]", "use 1.0 to disable nucleus sampling")
+    if r.temperature < 0:
+        fail("rollout.temperature", "negative", "use 0 for greedy or a positive temperature")
+    g = config.grpo
+    if g.loss_type not in LOSS_TYPES:
+        fail("grpo.loss_type", f"unknown {g.loss_type!r}", f"use one of {LOSS_TYPES}")
+    if g.scale_rewards not in ("group", "batch", "none"):
+        fail("grpo.scale_rewards", f"unknown {g.scale_rewards!r}", "use 'group', 'batch' or 'none'")
+    if g.num_iterations < 1:
+        fail("grpo.num_iterations", "must be at least 1", "set 1 (the reference)")
+    batch = r.prompts_per_step * r.num_generations
+    if batch % g.micro_batch_size:
+        fail("grpo.micro_batch_size", f"{g.micro_batch_size} does not divide the {batch} completions of a step",
+                  "pick a divisor of prompts_per_step * num_generations")
+    if config.placement not in PLACEMENTS:
+        fail("placement", f"unknown {config.placement!r}", f"use one of {PLACEMENTS}")
+    if config.train.max_steps < 1:
+        fail("train.max_steps", "must be at least 1", "set a positive number of steps")
 
 
 VARIANTS = ("", "tiny", "demo")
 
 
 def apply_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
-  """Shrink a paper-scale config to a local run, the same way for every experiment file.
+    """Shrink a paper-scale config to a local run, the same way for every experiment file.
 
-  tiny: random tiny checkpoints of each agent's family on the synthetic arithmetic world, a few steps (CI smoke).
-  demo: the embedded default: warm-started tiny bases of each family on the arithmetic world, CPU-sized.
-  """
-  if variant not in VARIANTS:
-    raise ValueError(f"unknown config variant {variant!r}; use one of {VARIANTS} (e.g. configs/ring3.py:tiny)")
-  if not variant:
+    tiny: random tiny checkpoints of each agent's family on the synthetic arithmetic world, a few steps (CI smoke).
+    demo: the embedded default: warm-started tiny bases of each family on the arithmetic world, CPU-sized.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown config variant {variant!r}; use one of {VARIANTS} (e.g. configs/ring3.py:tiny)")
+    if not variant:
+        return config
+    for agent in config.agents.values():
+        agent.model_path = f"{variant}:{agent.family}"
+        agent.param_dtype = "float32"
+        agent.compute_dtype = "float32"
+    config.data.train_path = "arithmetic"
+    config.data.eval_path = "arithmetic:test"
+    config.mesh.data = 1
+    if variant == "tiny":
+        config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=16, max_prompt_len=128)
+        config.grpo.micro_batch_size = 4
+        config.optim.learning_rate = 1e-3
+        config.train.update(max_steps=3, eval_every=2, eval_max_new_tokens=16, eval_batch_prompts=8, save_every=2)
+        config.data.max_eval_samples = 8
+    else:
+        config.rollout.update(prompts_per_step=8, num_generations=8, max_new_tokens=48, max_prompt_len=128)
+        config.grpo.micro_batch_size = 16
+        config.optim.learning_rate = 3e-4
+        config.train.update(max_steps=40, eval_every=10, eval_max_new_tokens=48, eval_batch_prompts=128, save_every=20)
+        config.data.max_eval_samples = 256
     return config
-  for agent in config.agents.values():
-    agent.model_path = f"{variant}:{agent.family}"
-    agent.param_dtype = "float32"
-    agent.compute_dtype = "float32"
-  config.data.train_path = "arithmetic"
-  config.data.eval_path = "arithmetic:test"
-  config.mesh.data = 1
-  if variant == "tiny":
-    config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=16, max_prompt_len=128)
-    config.grpo.micro_batch_size = 4
-    config.optim.learning_rate = 1e-3
-    config.train.update(max_steps=3, eval_every=2, eval_max_new_tokens=16, eval_batch_prompts=8, save_every=2)
-    config.data.max_eval_samples = 8
-  else:
-    config.rollout.update(prompts_per_step=8, num_generations=8, max_new_tokens=48, max_prompt_len=128)
-    config.grpo.micro_batch_size = 16
-    config.optim.learning_rate = 3e-4
-    config.train.update(max_steps=40, eval_every=10, eval_max_new_tokens=48, eval_batch_prompts=128, save_every=20)
-    config.data.max_eval_samples = 256
-  return config
