@@ -122,24 +122,24 @@ def stop_token_ids(tokenizer, checkpoint_dir: str | os.PathLike) -> tuple[int, .
     """Sorted, de-duplicated ids that end a completion: the ``eos_token_id`` (int or list) of
     generation_config.json, or of config.json when there is none, plus the tokenizer's eos."""
     directory = Path(checkpoint_dir)
-    ids: set[int] = set()
+    ids = []
     for name in ("generation_config.json", "config.json"):
         config_file = directory / name
         if config_file.is_file():
             eos = json.loads(config_file.read_text()).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
+            ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
             break
     if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+        ids.append(tokenizer.eos_token_id)
     if not ids:
         raise ValueError(f"no stop token for {directory}: set eos_token_id in its "
                          "generation_config.json or eos_token in its tokenizer_config.json")
     vocab_size = len(tokenizer)
-    bad = sorted(i for i in ids if not isinstance(i, int) or not 0 <= i < vocab_size)
+    bad = [i for i in ids if type(i) is not int or not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"eos_token_id {bad} in {directory} is not a token id of its tokenizer "
                          f"(vocabulary of {vocab_size}); fix generation_config.json")
-    return tuple(sorted(ids))
+    return tuple(sorted(set(ids)))
 
 
 def decode_completions(tokenizer, ids: np.ndarray, mask: np.ndarray) -> list[str]:
