@@ -1,0 +1,121 @@
+"""Math answers with the reference's semantics: extraction, vote keys and grading (co_rl_reference.md §7).
+
+* `extract_answer(text)`: the Qwen2.5-Math parser (`extract_answer(text, "math")`), "" when nothing is found.
+* `normalize_answer(s)`: the Hendrycks MATH normaliser; `vote_key(text)` = extract then normalise (None
+  when there is no answer). Votes cluster on exact equality of these keys.
+* `grade_answer_raw(pred, gold)`: the prm800k grader (TTRL, GT-Reward and intrinsic baselines).
+* `grade_answer(pred, gold)`: the Co-RL reward's grader = the raw grader, then a retry with LaTeX
+  scientific notation rewritten (`3.74\\times10^{24}` -> `3.74e24`) in the prediction, then in the gold.
+
+Quirks of the reference are reproduced on purpose (unit-word deletion of single letters, string-level vote
+buckets, no numeric tolerance except integer snapping at 1e-7, unreduced fractions rejected, tuple order
+matters). Model output is untrusted: the symbolic check runs only on whitelisted text, in a separate
+process bounded by `SYMPY_TIMEOUT_S` (a timeout grades False); results are cached per (pred, gold) pair.
+Deliberate differences from the reference, all on hostile or degenerate input: answers whose symbolic
+check would need `_`, quotes, brackets, `=`, keywords or builtin names, or `**` chains are graded False
+without evaluation; grading against `UNLABELED` is always False.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from corl_jax.answers import _math_grade, _sympy_worker
+from corl_jax.answers._math_extract import extract_answer, strip_string
+from corl_jax.answers._math_grade import is_safe_sympy_input, split_tuple
+from corl_jax.answers._math_normalize import normalize_answer
+
+__all__ = [
+    "SYMPY_TIMEOUT_S",
+    "UNLABELED",
+    "clear_caches",
+    "extract_answer",
+    "grade_answer",
+    "grade_answer_raw",
+    "is_safe_sympy_input",
+    "normalize_answer",
+    "normalize_sci_notation",
+    "split_tuple",
+    "strip_string",
+    "vote_key",
+]
+
+#: Wall-clock limit (seconds) of one sympy check; past it the worker is killed and the pair grades False.
+#: Read at call time, so it can be changed at any moment (cached results are kept: see `clear_caches`).
+SYMPY_TIMEOUT_S = 5.0
+
+#: Label of a prompt whose teacher produced no vote (co_label_utils._UNLABELED_SENTINEL).
+UNLABELED = "\x00__unlabeled__\x00"
+
+_CACHE_SIZE = 1 << 16
+# co_label_utils' pattern with `(?<!\d)` added before the mantissa's digits: leftmost matches never start
+# inside a digit run, so results are unchanged, but long digit runs cost linear instead of quadratic time.
+_LATEX_SCI = re.compile(r"(-?\s*(?<!\d)\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|\*)\s*10\s*\^\s*\{?\s*(-?\d+)\s*\}?")
+
+
+def vote_key(text: str) -> str | None:
+    """The majority-vote key of a completion: `normalize_answer(extract_answer(text))`, None if empty."""
+    return normalize_answer(extract_answer(text)) or None
+
+
+def _sci_replacement(match: re.Match) -> str:
+    mantissa, exponent = match.group(1), match.group(2)
+    try:
+        exponent = str(int(exponent))
+    except ValueError:  # over Python's int-string digit limit (the reference would raise): keep the text
+        return match.group(0)
+    return f"{mantissa.replace(' ', '')}e{exponent}"
+
+
+def normalize_sci_notation(s: str | None) -> str | None:
+    r"""`3.74 \times 10^{24}` -> `3.74e24`, `- 2 \times 10^{3}` -> `-2e3` (co_label_utils); non-str unchanged."""
+    if not isinstance(s, str) or "^" not in s:  # every match contains `^`
+        return s
+    return _LATEX_SCI.sub(_sci_replacement, s)
+
+
+def _sympy_is_zero(expr: str) -> bool:
+    return _sympy_worker.is_zero(expr, SYMPY_TIMEOUT_S)
+
+
+def _check_answer_types(pred: object, gold: object) -> None:
+    for name, value in (("pred", pred), ("gold", gold)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"grade_answer: {name} must be str or None, got {type(value).__name__}")
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _grade_raw(pred: str | None, gold: str | None) -> bool:
+    if gold == UNLABELED:
+        return False
+    return _math_grade.grade(pred, gold, _sympy_is_zero)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _grade_co_rl(pred: str | None, gold: str | None) -> bool:
+    if _grade_raw(pred, gold):
+        return True
+    sci_pred = normalize_sci_notation(pred)
+    if sci_pred != pred and _grade_raw(sci_pred, gold):
+        return True
+    sci_gold = normalize_sci_notation(gold)
+    return sci_gold != gold and _grade_raw(pred, sci_gold)
+
+
+def grade_answer_raw(pred: str | None, gold: str | None) -> bool:
+    """prm800k `grade_answer(pred, gold)`: normalised string equality, else per-element sympy equality."""
+    _check_answer_types(pred, gold)
+    return _grade_raw(pred, gold)
+
+
+def grade_answer(pred: str | None, gold: str | None) -> bool:
+    """The Co-RL reward's equivalence: raw grader, then the scientific-notation retries (pred, then gold)."""
+    _check_answer_types(pred, gold)
+    return _grade_co_rl(pred, gold)
+
+
+def clear_caches() -> None:
+    """Forget cached grades (e.g. after changing `SYMPY_TIMEOUT_S`)."""
+    _grade_raw.cache_clear()
+    _grade_co_rl.cache_clear()
