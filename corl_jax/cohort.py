@@ -1,0 +1,320 @@
+"""The cohort: N agents, each with its own model, tokenizer, chat template, optimiser and PRNG stream, and one
+Co-RL step over all of them (co_rl_reference.md §1.13):
+
+    same prompt block ─► per agent: chat prompts → sample G completions (device) → texts (host)
+    all texts ─► voting.score_step (answers, votes, teacher per topology, rewards [A, P, G])   one controller
+    per agent: advantages → GRPO update with its own optimiser                                  device
+
+Labels pass in memory; every agent receives the same `PromptBlock`, so prompt ids cannot misalign. With
+`placement="partitioned"` each agent owns a disjoint slice of the devices and JAX's asynchronous dispatch runs the
+agents' sampling and updates concurrently; with `"shared"` they take turns on the whole mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from corl_jax import grpo, sampling, voting
+from corl_jax.answers import math as math_answers
+from corl_jax.config import topology_of
+from corl_jax.data import PromptBlock
+from corl_jax.models import Policy, from_pretrained, positions_from_mask
+from corl_jax.models.sharding import batch_sharding, make_mesh
+from corl_jax.optim import make_optimizer, make_schedule
+from corl_jax.tokenization import decode_completions, encode_prompts, stop_token_ids
+from corl_jax.zoo import resolve_model_path
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """The static GRPO settings of an agent's jitted update (hashable: part of the compiled program)."""
+
+    loss_type: str
+    eps_low: float
+    eps_high: float
+    beta: float
+    num_micro: int
+    chunk_size: int
+    temperature: float
+
+
+@dataclasses.dataclass
+class Agent:
+    """One policy of the cohort. `params` are the fp32 master weights; the decoder computes in its compute dtype."""
+
+    name: str
+    index: int
+    policy: Policy
+    graphdef: Any
+    params: Any
+    opt_state: Any
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule        # learning rate of the n-th optimiser update (for logging)
+    text_field: str
+    chat_template: str | None
+    stop_ids: tuple[int, ...]
+    key: jax.Array                  # base PRNG key: seed + agent index; each step folds in the step number
+    ref_params: Any = None          # frozen initial weights, only when beta > 0
+
+    @property
+    def mesh(self):
+        return self.policy.mesh
+
+    def step_key(self, step: int, purpose: int) -> jax.Array:
+        return jax.random.fold_in(jax.random.fold_in(self.key, step), purpose)
+
+    def encode(self, texts: list[str], max_prompt_len: int) -> tuple[jax.Array, jax.Array]:
+        ids, mask = encode_prompts(self.policy.tokenizer, texts, max_prompt_len=max_prompt_len,
+                                   chat_template=self.chat_template)
+        return self._put(ids), self._put(mask)
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, batch_sharding(x.shape, self.mesh, self.policy.rules))
+
+
+def load_agents(config: ml_collections.ConfigDict, total_steps: int) -> list[Agent]:
+    """Load every agent of `config` onto its devices (whole mesh or its own slice), with a fresh optimiser."""
+    names = list(config.agents.keys())
+    meshes = _meshes(config, len(names))
+    agents = []
+    for index, name in enumerate(names):
+        spec = config.agents[name]
+        path = resolve_model_path(spec.model_path)
+        policy = from_pretrained(path, dtype=_DTYPES[spec.param_dtype], compute_dtype=_DTYPES[spec.compute_dtype],
+                                 mesh=meshes[index], remat="full" if config.grpo.remat else "none")
+        graphdef, params = nnx.split(policy.model)
+        lr = spec.learning_rate if spec.learning_rate > 0 else config.optim.learning_rate
+        o, updates = config.optim, total_steps * config.grpo.num_iterations
+        optimizer = make_optimizer(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate, b1=o.b1,
+                                   b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+        agents.append(Agent(
+            name=name, index=index, policy=policy, graphdef=graphdef, params=params,
+            opt_state=jax.jit(optimizer.init)(params), optimizer=optimizer,
+            schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
+            text_field=spec.text_field,
+            chat_template=spec.chat_template or None, stop_ids=stop_token_ids(policy.tokenizer, path),
+            key=jax.random.key(config.seed + index),
+            ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None))
+    return agents
+
+
+def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
+    """One mesh per agent: the whole device set (shared) or disjoint equal slices of it (partitioned)."""
+    devices = jax.devices()
+    if config.placement == "partitioned":
+        if len(devices) < num_agents or len(devices) % num_agents:
+            raise ValueError(f"placement='partitioned' splits {len(devices)} devices among {num_agents} agents: "
+                             "needs a multiple of the agent count. Fix: use placement='shared' or more devices")
+        size = len(devices) // num_agents
+        groups = [devices[i * size:(i + 1) * size] for i in range(num_agents)]
+    else:
+        groups = [devices] * num_agents
+    m = config.mesh
+    meshes = []
+    for group in groups:
+        data = len(group) // (m.fsdp * m.tensor) if m.data == -1 else m.data
+        if data * m.fsdp * m.tensor > len(group):
+            raise ValueError(f"mesh data={data} fsdp={m.fsdp} tensor={m.tensor} needs more than the "
+                             f"{len(group)} devices of an agent. Fix: config.mesh.* or placement")
+        meshes.append(make_mesh(data=data, fsdp=m.fsdp, tensor=m.tensor,
+                                devices=group[:data * m.fsdp * m.tensor]))
+    return meshes
+
+
+# --------------------------------------------------------------------------------------------- the GRPO update
+
+
+def _completion_logprobs(graphdef, params, tokens, attention, prompt_len: int, s: UpdateSettings):
+    """log p, entropy and mean_v log p of the completion tokens [B, Tc] under the policy, vocabulary-chunked."""
+    model = nnx.merge(graphdef, params)
+    hidden = model(tokens, positions_from_mask(attention), attention)[:, prompt_len - 1:-1]
+    unembedding = model.unembedding().astype(hidden.dtype)
+    return grpo.token_logprobs(hidden, unembedding, tokens[:, prompt_len:], temperature=s.temperature,
+                               chunk_size=s.chunk_size, with_stats=True)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def score_completions(graphdef, params, tokens, attention, prompt_len: int, s: UpdateSettings):
+    """No-grad log p / entropy / mean log p [B, Tc] in micro-batches (old log-probs, KL reference, RENT/Intuitor)."""
+    micro = -(-tokens.shape[0] // s.num_micro)
+
+    def one(xs):
+        return _completion_logprobs(graphdef, params, *xs, prompt_len, s)
+
+    split = lambda x: x.reshape(s.num_micro, micro, *x.shape[1:])
+    outs = jax.lax.map(one, (split(tokens), split(attention)))
+    return tuple(o.reshape(tokens.shape[0], -1) for o in outs)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(2, 3))
+def update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings):
+    """One optimiser step on a batch of completions with exact gradient accumulation over micro-batches.
+
+    A non-finite loss or gradient leaves parameters and optimiser state unchanged (`metrics["skipped"]` = 1)."""
+    prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
+    num_items = jnp.sum(batch["completion_mask"])
+
+    def loss_fn(p, micro, valid_rows):
+        logp, entropy, _ = _completion_logprobs(graphdef, p, micro["tokens"], micro["attention"], prompt_len, s)
+        return grpo.grpo_loss(
+            logp, micro.get("old_logp"), micro["advantages"], micro["completion_mask"], loss_type=s.loss_type,
+            eps_low=s.eps_low, eps_high=s.eps_high, beta=s.beta, ref_logp=micro.get("ref_logp"),
+            max_completion_length=micro["completion_mask"].shape[1], num_items_in_batch=num_items,
+            num_micro_batches=s.num_micro, valid_rows=valid_rows, entropy=entropy)
+
+    (loss, metrics), grads = grpo.accumulate_grads(jax.value_and_grad(loss_fn, has_aux=True), params, batch,
+                                                   s.num_micro)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
+    return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+
+
+# --------------------------------------------------------------------------------------------- one step
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One agent's completions of a prompt block (device arrays until fetched)."""
+
+    prompt_ids: jax.Array      # [P, Tp]
+    prompt_mask: jax.Array     # [P, Tp]
+    completions: Any           # sampling output: tokens / mask / logprobs / lengths / truncated, [P*G, ...]
+    texts: list[str] | None = None
+
+
+class Cohort:
+    """The agents of a run and the step that trains them together."""
+
+    def __init__(self, config: ml_collections.ConfigDict, agents: list[Agent]):
+        self.config = config
+        self.agents = agents
+        self.topology = topology_of(config)
+        grade = math_answers.grade_answer if config.method == "co_rl" else math_answers.grade_answer_raw
+        self.grader = voting.PairGrader(grade)  # Co-RL: sci-notation wrapper; baselines: raw grader (§11.6)
+        g, r = config.grpo, config.rollout
+        batch = r.prompts_per_step * r.num_generations
+        self.settings = UpdateSettings(loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,
+                                       num_micro=batch // g.micro_batch_size, chunk_size=g.logprob_chunk_size,
+                                       temperature=r.temperature if r.temperature > 0 else 1.0)
+
+    def sample(self, agent: Agent, texts: list[str], key: jax.Array, *, num_samples: int, max_new_tokens: int,
+               temperature: float) -> Rollouts:
+        """Dispatch one agent's sampling (asynchronous: no host transfer here)."""
+        r = self.config.rollout
+        ids, mask = agent.encode(texts, r.max_prompt_len)
+        params = sampling.SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                                         greedy=temperature == 0)
+        out = sampling.generate(agent.policy, agent.params, ids, mask, key=key, num_samples=num_samples,
+                                max_new_tokens=max_new_tokens, params=params, stop_ids=agent.stop_ids)
+        return Rollouts(ids, mask, out)
+
+    def finish(self, agent: Agent, rollouts: Rollouts) -> Rollouts:
+        """Fetch the completions and decode their texts (host)."""
+        c = rollouts.completions
+        rollouts.texts = decode_completions(agent.policy.tokenizer, np.asarray(c.tokens), np.asarray(c.mask))
+        return rollouts
+
+    def step(self, block: PromptBlock, step: int) -> tuple[dict[str, dict[str, float]], list[dict]]:
+        """One Co-RL step on `block`; returns per-agent metrics and the per-prompt vote records."""
+        r, timings = self.config.rollout, {}
+        t0 = time.perf_counter()
+        rollouts = [self.sample(a, block.texts(a.text_field), a.step_key(step, 0), num_samples=r.num_generations,
+                                max_new_tokens=r.max_new_tokens, temperature=r.temperature) for a in self.agents]
+        rollouts = [self.finish(a, ro) for a, ro in zip(self.agents, rollouts)]
+        timings["time/sampling"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        gold = [p.answer for p in block.problems]
+        records: list[dict] = []
+        if self.topology == "intrinsic":
+            rewards, label_metrics = self._intrinsic_rewards(rollouts), {a.name: {} for a in self.agents}
+        else:
+            result = voting.score_step(
+                [ro.texts for ro in rollouts], gold, topology=self.topology,
+                threshold=self.config.self_consistency_threshold, grader=self.grader,
+                extract=math_answers.extract_answer, normalize=math_answers.normalize_answer, step=step,
+                prompt_ids=list(block.ids), agent_names=[a.name for a in self.agents])
+            rewards, label_metrics, records = result.rewards, result.metrics, result.records
+        timings["time/answers_and_vote"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        pending = [self._update(a, ro, rewards[a.index].reshape(-1), step) for a, ro in zip(self.agents, rollouts)]
+        metrics = {a.name: {**label_metrics[a.name], **{k: float(v) for k, v in m.items()}, **timings}
+                   for a, m in zip(self.agents, pending)}
+        update_time = time.perf_counter() - t0
+        for m in metrics.values():
+            m["time/update"] = update_time
+        return metrics, records
+
+    def _batch(self, rollouts: Rollouts) -> dict[str, jax.Array]:
+        """Prompt (repeated G times) + completion token rows, attention and loss masks."""
+        g = self.config.rollout.num_generations
+        c = rollouts.completions
+        prompt_ids = jnp.repeat(rollouts.prompt_ids, g, axis=0)
+        prompt_mask = jnp.repeat(rollouts.prompt_mask, g, axis=0)
+        loss_mask = c.mask
+        if self.config.grpo.mask_truncated_completions:
+            loss_mask = loss_mask & ~c.truncated[:, None]
+        return {"tokens": jnp.concatenate([prompt_ids, c.tokens], axis=1),
+                "attention": jnp.concatenate([prompt_mask, c.mask], axis=1),
+                "completion_mask": loss_mask.astype(jnp.float32)}
+
+    def _intrinsic_rewards(self, rollouts: list[Rollouts]) -> np.ndarray:
+        """RENT (−mean entropy) or Intuitor (mean KL(U‖p)) per completion, from a no-grad forward (§4.3)."""
+        kind = "entropy" if self.config.method == "rent" else "self_certainty"
+        out = []
+        for agent, ro in zip(self.agents, rollouts):
+            b = self._batch(ro)
+            prompt_len = b["tokens"].shape[1] - b["completion_mask"].shape[1]
+            _, entropy, mean_logp = score_completions(agent.graphdef, agent.params, b["tokens"], b["attention"],
+                                                      prompt_len, self.settings)
+            out.append(grpo.intrinsic_rewards(entropy, mean_logp, b["completion_mask"],
+                                              agent.policy.config.vocab_size, kind))
+        g = self.config.rollout.num_generations
+        return np.stack([np.asarray(x).reshape(-1, g) for x in out])
+
+    def _update(self, agent: Agent, rollouts: Rollouts, rewards: np.ndarray, step: int) -> dict[str, Any]:
+        """Advantages, then `num_iterations` optimiser steps of one agent on its rollouts (rows shuffled into
+        micro-batches as the reference does)."""
+        g, r = self.config.grpo, self.config.rollout
+        batch = self._batch(rollouts)
+        rewards = jnp.asarray(rewards, jnp.float32)
+        batch["advantages"] = grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards)
+        order = jax.random.permutation(agent.step_key(step, 1), rewards.shape[0])
+        batch = jax.tree.map(lambda x: x[order], batch)
+        prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
+        if g.num_iterations > 1:
+            batch["old_logp"] = score_completions(agent.graphdef, agent.params, batch["tokens"], batch["attention"],
+                                                  prompt_len, self.settings)[0]
+        if agent.ref_params is not None:
+            batch["ref_logp"] = score_completions(agent.graphdef, agent.ref_params, batch["tokens"],
+                                                  batch["attention"], prompt_len, self.settings)[0]
+        for _ in range(g.num_iterations):
+            agent.params, agent.opt_state, metrics = update(agent.graphdef, agent.optimizer, agent.params,
+                                                            agent.opt_state, batch, self.settings)
+        c = rollouts.completions
+        lengths = np.asarray(c.lengths)
+        first_update = (step - 1) * g.num_iterations
+        return {**grpo.reward_metrics(rewards, r.num_generations), **metrics,
+                "learning_rate": agent.schedule(first_update),
+                "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+                "completions/max_length": lengths.max(),
+                "completions/clipped_ratio": np.asarray(c.truncated).mean()}

@@ -1,0 +1,92 @@
+"""Built-in stand-in checkpoints for local runs, addressed by model paths `tiny:<family>` (and `demo:<family>`).
+
+`tiny:qwen2`, `tiny:llama`, `tiny:qwen3`: randomly initialised two-layer models of each family's architecture
+(Qwen2 q/k/v biases and tied embeddings; Llama-3 `llama3` RoPE scaling, GQA 4:1, untied; Qwen3 q/k norms and
+head_dim != hidden/heads) with a byte-level tokenizer in the family's chat style. They are ordinary HF checkpoint
+directories in the cache (`$CORL_JAX_CACHE`, default ~/.cache/corl_jax), built once, loaded by `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+FAMILIES = ("qwen2", "llama", "qwen3")
+
+# HF config.json fields of each family's tiny architecture (vocab_size and token ids come from the tokenizer).
+TINY_ARCHITECTURES = {
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
+                  rms_norm_eps=1e-6, max_position_embeddings=4096),
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False, rope_theta=5e5,
+                  rms_norm_eps=1e-5, max_position_embeddings=4096,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen3": dict(model_type="qwen3", hidden_size=48, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                  rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096),
+}
+CHAT_STYLE = {"qwen2": "chatml", "llama": "llama3", "qwen3": "chatml"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CORL_JAX_CACHE", Path.home() / ".cache" / "corl_jax"))
+
+
+def resolve_model_path(model_path: str) -> str:
+    """A local directory for `model_path`: built-in specs are built on first use; anything else is returned as is."""
+    kind, _, family = model_path.partition(":")
+    if kind == "tiny" and family:
+        _check_family(model_path, family)
+        return str(_build_once(cache_root() / "zoo" / f"tiny-{family}", lambda d: build_random_checkpoint(d, family)))
+    if kind == "demo" and family:
+        _check_family(model_path, family)
+        from corl_jax.demo_bases import demo_base_dir  # the warm-started bases of the arithmetic world
+
+        return str(demo_base_dir(family))
+    return model_path
+
+
+def _check_family(model_path: str, family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family in model path {model_path!r}; use one of {FAMILIES}")
+
+
+def _build_once(directory: Path, build) -> Path:
+    """Build into a temporary sibling and rename, so a killed build never leaves a half directory."""
+    if (directory / "config.json").is_file():
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
+    try:
+        build(tmp)
+        os.replace(tmp, directory)
+    except OSError:
+        if not (directory / "config.json").is_file():  # lost a race to a concurrent builder: theirs is complete
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def build_random_checkpoint(directory, family: str, *, seed: int = 0, tokenizer_kind: str = "char",
+                            corpus=None, vocab_size: int = 512, **architecture) -> Path:
+    """Write a randomly initialised HF checkpoint of `family` (architecture fields overridable) to `directory`."""
+    from flax import nnx
+
+    from corl_jax.models import Decoder, ModelConfig, Policy, save_pretrained
+    from corl_jax.tokenization import build_tokenizer
+
+    directory = Path(directory)
+    tokenizer = build_tokenizer(directory, tokenizer_kind, style=CHAT_STYLE[family], corpus=corpus,
+                                vocab_size=vocab_size)
+    hf = dict(TINY_ARCHITECTURES[family], **architecture)
+    hf.update(vocab_size=-(-len(tokenizer) // 64) * 64, eos_token_id=tokenizer.eos_token_id,
+              bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = ModelConfig.from_hf_dict(hf)
+    model = Decoder(config, rngs=nnx.Rngs(seed))
+    save_pretrained(Policy(config=config, model=model, tokenizer=tokenizer), directory)
+    return directory
