@@ -73,7 +73,7 @@ def base_config() -> ml_collections.ConfigDict:
             "num_iterations": 1,
             "micro_batch_size": 2,      # sequences per forward/backward (the reference: 2 per device)
             "mask_truncated_completions": False,
-            "logprob_chunk_size": 8192,  # vocabulary chunk of the per-token log-prob computation
+            "logprob_chunk_size": 128,  # positions per chunk of the log-prob pass (peak ≈ micro_batch·chunk·V fp32)
             "remat": True,
     })
     c.optim = ml_collections.ConfigDict({
