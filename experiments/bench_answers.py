@@ -1,0 +1,341 @@
+"""Host-side answer pipeline of one ring3 Co-RL step: 3 agents × 16 prompts × 8 completions of ~1024 tokens.
+
+Measures `voting.score_step` end to end (extract + normalize 384 completions, intern, vote kernel, teacher,
+grading of the distinct (pred, label) pairs, rewards, metrics and records) with a cold grading cache (every step
+has new problems and numbers; all grade caches cleared) and with a warm one (the same step scored again), a stage
+breakdown, and the vote kernel alone (compiled, block_until_ready, median of many calls).
+
+The completions are generated deterministically: LaTeX reasoning steps followed by an ending that is a boxed
+answer, "The answer is ...", an unboxed ending that hits the last-number fallback, a truncation, two boxes, or
+(rarely) no number at all; answers are drawn from equivalent surface forms (\\frac{3}{4} / 0.75 / 3/4) and
+near-miss wrong ones, with per-agent accuracy.
+
+    PYTHONPATH=. python experiments/bench_answers.py [--steps 8] [--out experiments/results/bench_answers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+import sympy
+
+from corl_jax import voting
+from corl_jax.answers import math as math_answers
+
+N_AGENTS, N_PROMPTS, G = 3, 16, 8
+AGENT_ACCURACY = (0.7, 0.55, 0.45)  # P(a completion carries a right answer), per agent
+TARGET_CHARS = 4000  # ~1024 tokens of LaTeX-heavy text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Synthetic problems: (gold, right surface forms, wrong near-miss forms), parameterised by random numbers
+
+
+def _coprime_fraction(rng):
+    b = rng.choice([2, 4, 5, 8, 10, 16, 20, 25])
+    a = rng.choice([k for k in range(1, 3 * b) if math.gcd(k, b) == 1 and k != b])
+    return a, b
+
+
+def fraction(rng):
+    a, b = _coprime_fraction(rng)
+    dec = f"{a / b:g}"
+    return (f"\\frac{{{a}}}{{{b}}}", [f"\\frac{{{a}}}{{{b}}}", f"\\dfrac{{{a}}}{{{b}}}", dec, f"{a}/{b}"],
+            [f"\\frac{{{b}}}{{{a}}}", f"\\frac{{{2 * a}}}{{{2 * b}}}", f"{a / b + 0.1:g}"])
+
+
+def negative_fraction(rng):
+    a, b = _coprime_fraction(rng)
+    return (f"-\\frac{{{a}}}{{{b}}}", [f"-\\frac{{{a}}}{{{b}}}", f"-{a / b:g}", f"-{a}/{b}"],
+            [f"\\frac{{{a}}}{{{b}}}", f"-\\frac{{{b}}}{{{a}}}"])
+
+
+def integer(rng):
+    n = rng.randint(10, 99999)
+    right = [str(n), f"{n}.0", f"x = {n}", f"{n} \\text{{ cm}}"] + ([f"{n:,}"] if n >= 1000 else [])
+    return str(n), right, [str(n + 1), str(n - 1), str(2 * n)]
+
+
+def surd(rng):
+    k, m = rng.randint(2, 9), rng.choice([2, 3, 5, 6, 7, 10, 11])
+    return (f"{k}\\sqrt{{{m}}}", [f"{k}\\sqrt{{{m}}}", f"{k}\\sqrt{m}", f"\\sqrt{{{k * k * m}}}"],
+            [f"{m}\\sqrt{{{k}}}", f"\\sqrt{{{m}}}", f"{k + 1}\\sqrt{{{m}}}"])
+
+
+def polar_point(rng):
+    r, d = rng.randint(2, 12), rng.choice([2, 3, 4, 6])
+    gold = f"\\left( {r}, \\frac{{\\pi}}{{{d}}} \\right)"
+    return (gold, [gold, f"({r},\\frac{{\\pi}}{{{d}}})", f"({r}, \\pi/{d})"],
+            [f"({r}, \\pi)", f"(\\frac{{\\pi}}{{{d}}}, {r})", f"({r + 1},\\frac{{\\pi}}{{{d}}})"])
+
+
+def polynomial(rng):
+    a = rng.randint(2, 9)
+    return (f"x^2+{2 * a}x+{a * a}", [f"x^2+{2 * a}x+{a * a}", f"(x+{a})^2", f"x^2 + {2 * a}x + {a * a}"],
+            [f"x^2+{a * a}", f"x^2+{a}x+{a * a}", f"(x-{a})^2"])
+
+
+def name(rng):
+    who, other = rng.sample(["Evelyn", "Marcus", "Priya", "Tomas", "Aiko", "Lena"], 2)
+    return f"\\text{{{who}}}", [who, f"\\text{{{who}}}", who.lower()], [other, f"\\text{{{other}}}"]
+
+
+def angle(rng):
+    d = rng.choice([15, 30, 36, 45, 60, 72, 75, 108, 120, 135, 150])
+    return f"{d}^\\circ", [str(d), f"{d}^\\circ", f"{d}^{{\\circ}}"], [str(180 - d), f"{d // 2}^\\circ"]
+
+
+def interval(rng):
+    a, b = sorted(rng.sample(range(-9, 20), 2))
+    return f"[{a}, {b})", [f"[{a},{b})", f"[{a}, {b})"], [f"({a},{b})", f"[{a},{b}]", f"[{a},{b + 1})"]
+
+
+def scientific(rng):
+    m, e = f"{rng.randint(101, 999) / 100:.2f}", rng.randint(5, 30)
+    gold = f"{m} \\times 10^{{{e}}}"
+    return gold, [gold, f"{m}\\cdot10^{{{e}}}", f"{m}e{e}"], [f"{m} \\times 10^{{{e - 1}}}", f"{m}e{e + 1}"]
+
+
+def mixed_number(rng):
+    b = rng.choice([3, 5, 7, 9])
+    q, r = rng.randint(1, 9), rng.randint(1, b - 1)
+    return (f"\\frac{{{q * b + r}}}{{{b}}}", [f"\\frac{{{q * b + r}}}{{{b}}}", f"{q}\\frac{{{r}}}{{{b}}}"],
+            [f"\\frac{{{q * b - r}}}{{{b}}}", f"{q}\\frac{{{r}}}{{{b + 1}}}"])
+
+
+def percent(rng):
+    p = rng.randint(5, 95)
+    return f"{p}\\%", [str(p), f"{p}\\%", f"{p}%"], [str(p + 5), f"{100 - p}\\%"]
+
+
+PROBLEM_KINDS = (fraction, negative_fraction, integer, surd, polar_point, polynomial, name, angle, interval,
+                 scientific, mixed_number, percent)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Synthetic completions
+
+
+def _reasoning_step(rng, k):
+    u, v, w = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 30)
+    return rng.choice([
+        f"Step {k}: Let $a_{{{k}}} = {u}$ and $b_{{{k}}} = {v}$. Then\n$$a_{{{k}}} + b_{{{k}}} = {u + v}, "
+        f"\\quad \\frac{{a_{{{k}}}}}{{b_{{{k}}}}} = \\frac{{{u}}}{{{v}}}.$$\n",
+        f"Step {k}: Substituting into the quadratic gives\n$${w}x^2 - {u}x + {v} = 0 \\implies "
+        f"x = \\frac{{{u} \\pm \\sqrt{{{u * u - 4 * w * v}}}}}{{{2 * w}}}.$$\n",
+        f"Step {k}: Notice that $\\sqrt{{{w * w}}} = {w}$, so the expression simplifies to "
+        f"${w} \\cdot {u} = {w * u}$, and dividing by ${v}$ leaves $\\dfrac{{{w * u}}}{{{v}}}$.\n",
+        f"Step {k}: By the Pythagorean theorem, $h^2 = {u}^2 + {v}^2 = {u * u + v * v}$, hence "
+        f"$h = \\sqrt{{{u * u + v * v}}}$. We keep this exact form for now.\n",
+        f"Step {k}: Checking the boundary case $x = {u}$: $f({u}) = {u}^2 - {v} = {u * u - v}$, which is "
+        f"positive, so the inequality $f(x) > 0$ holds on $\\left[{u}, \\infty\\right)$.\n",
+        f"Step {k}: Summing the arithmetic series, $\\sum_{{i=1}}^{{{w}}} i = \\frac{{{w}({w}+1)}}{{2}} = "
+        f"{w * (w + 1) // 2}$, and the remaining terms contribute ${u} \\times {v} = {u * v}$.\n",
+    ])
+
+
+def _ending(rng, answer):
+    roll = rng.random()
+    if roll < 0.62:
+        return f"Therefore, the final answer is $\\boxed{{{answer}}}$."
+    if roll < 0.72:
+        return f"Putting everything together, the answer is {answer}."
+    if roll < 0.80:  # unboxed: the last-number fallback decides
+        return f"So we conclude that the result equals {answer}, as required."
+    if roll < 0.86:  # an intermediate box, then the final one
+        return f"A first guess was $\\boxed{{{rng.randint(1, 50)}}}$, but correcting the sign gives $\\boxed{{{answer}}}$."
+    if roll < 0.97:  # truncated at max_tokens mid-reasoning
+        return ""
+    return None  # no number anywhere: the whole completion is prose
+
+
+def completion(rng, problem_text, answer):
+    ending = _ending(rng, answer)
+    if ending is None:
+        sentence = "I am not sure how to proceed with this problem, so let me reconsider the setup carefully. "
+        return sentence * (TARGET_CHARS // len(sentence))
+    parts, size, k = [f"We are asked: {problem_text} Let us reason step by step.\n"], 0, 1
+    while size < TARGET_CHARS - len(ending):
+        parts.append(_reasoning_step(rng, k))
+        size += len(parts[-1])
+        k += 1
+    if not ending:  # truncated: cut inside the last step
+        parts[-1] = parts[-1][: rng.randint(10, len(parts[-1]) - 1)]
+    return "".join(parts) + ending
+
+
+def make_step(seed):
+    """One step's completions [A][P·G] (a prompt's G contiguous), gold answers [P] and prompt ids [P]."""
+    rng = random.Random(seed)
+    kinds = rng.sample(PROBLEM_KINDS, len(PROBLEM_KINDS))  # every kind once, then random ones
+    kinds += [rng.choice(PROBLEM_KINDS) for _ in range(N_PROMPTS - len(kinds))]
+    problems = [kind(rng) for kind in kinds]
+    texts = []
+    for accuracy in AGENT_ACCURACY:
+        agent = []
+        for p, (gold, right, wrong) in enumerate(problems):
+            for _ in range(G):
+                # wrong answers cluster on the first near-miss, as correlated model errors do
+                forms = right if rng.random() < accuracy else (wrong[:1] * 2 + wrong)
+                agent.append(completion(rng, f"Problem {seed}-{p}.", rng.choice(forms)))
+        texts.append(agent)
+    return texts, [gold for gold, _, _ in problems], [f"{seed}-{p}" for p in range(N_PROMPTS)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measurements
+
+
+def _ms(seconds):
+    return round(1e3 * seconds, 3)
+
+
+def _timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def score(texts, gt, prompt_ids, grader, step):
+    return voting.score_step(texts, gt, topology="ring", threshold=0.0, grader=grader,
+                             extract=math_answers.extract_answer, normalize=math_answers.normalize_answer,
+                             step=step, prompt_ids=prompt_ids)
+
+
+def stage_breakdown(texts, gt):
+    """Each stage of `score_step` timed on its own (cold grading cache, then the same pairs warm)."""
+    math_answers.clear_caches()
+    flat = [t for agent in texts for t in agent]
+    shape = (N_AGENTS, N_PROMPTS, G)
+    t = {}
+    preds, t["extract"] = _timed(lambda: [math_answers.extract_answer(x) for x in flat])
+    keys, t["normalize"] = _timed(lambda: [math_answers.normalize_answer(p) or None for p in preds])
+    assert keys == [math_answers.vote_key(x) for x in flat], "pipeline vote keys differ from answers.math.vote_key"
+    labels, preds_table = voting.Interner(), voting.Interner()
+    (answer_ids, pred_ids), t["intern"] = _timed(
+        lambda: (labels.intern_all(keys).reshape(shape), preds_table.intern_all(preds).reshape(shape)))
+    (label_ids, _), t["vote"] = _timed(lambda: jax.block_until_ready(voting.vote(answer_ids, 0.0)))
+    teacher, t["teacher"] = _timed(lambda: np.asarray(voting.teacher_labels(label_ids, "ring")))
+    (pairs, index), t["reward_pairs"] = _timed(voting.reward_pairs, pred_ids, teacher)
+    grader = voting.PairGrader(math_answers.grade_answer)
+    named = [(preds_table.strings[p], labels.strings[q]) for p, q in pairs.tolist()]
+    graded, t["grade_cold"] = _timed(lambda: [grader(p, q) for p, q in named])
+    _, t["grade_warm"] = _timed(lambda: [grader(p, q) for p, q in named])
+    rewards, t["gather"] = _timed(voting.gather_rewards, np.array(graded, np.float32), index)
+    counts = {"distinct_pairs": len(pairs), "distinct_vote_keys": len(labels), "distinct_preds": len(preds_table),
+              "unparseable_completions": int((answer_ids < 0).sum()), "labeled": int((label_ids >= 0).sum()),
+              "mean_reward": float(rewards.mean())}
+    return {k: _ms(v) for k, v in t.items()}, counts
+
+
+def kernel_timings(texts, n_calls):
+    """Median time of the jitted vote and teacher kernels on one step's ids, after compilation."""
+    table = voting.Interner()
+    ids = table.intern_all([math_answers.vote_key(x) for agent in texts for x in agent]).reshape(N_AGENTS,
+                                                                                                 N_PROMPTS, G)
+    ids = jax.device_put(ids)
+    labels, _ = jax.block_until_ready(voting.vote(ids, 0.0))  # compile
+    jax.block_until_ready(voting.teacher_labels(labels, "ring"))
+    out = {}
+    for name, fn in (("vote", lambda: voting.vote(ids, 0.0)),
+                     ("teacher_ring", lambda: voting.teacher_labels(labels, "ring")),
+                     ("vote_and_teacher", lambda: voting.teacher_labels(voting.vote(ids, 0.0)[0], "ring"))):
+        samples = []
+        for _ in range(n_calls):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            samples.append(time.perf_counter() - start)
+        out[name] = {"median_ms": _ms(statistics.median(samples)), "p90_ms": _ms(np.percentile(samples, 90))}
+    return out
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def summary(samples):
+    return {"median_ms": _ms(statistics.median(samples)), "mean_ms": _ms(statistics.mean(samples)),
+            "max_ms": _ms(max(samples)), "min_ms": _ms(min(samples))}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="distinct steps measured (new problems each)")
+    parser.add_argument("--kernel-calls", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_answers.json"))
+    args = parser.parse_args()
+
+    # Warm-up (not measured): jit compilation and the sympy worker's start (imports sympy once per process).
+    warm_texts, warm_gt, warm_ids = make_step(args.seed - 1)
+    score(warm_texts, warm_gt, warm_ids, voting.PairGrader(math_answers.grade_answer), step=-1)
+
+    cold, warm, stages, counts, chars = [], [], [], [], []
+    for i in range(args.steps):
+        texts, gt, prompt_ids = make_step(args.seed + i)
+        chars += [len(t) for agent in texts for t in agent]
+        math_answers.clear_caches()
+        grader = voting.PairGrader(math_answers.grade_answer)
+        _, seconds = _timed(score, texts, gt, prompt_ids, grader, step=i)
+        cold.append(seconds)
+        _, seconds = _timed(score, texts, gt, prompt_ids, grader, step=i)  # same step, warm pair cache
+        warm.append(seconds)
+        stage_ms, step_counts = stage_breakdown(texts, gt)
+        stages.append(stage_ms)
+        counts.append(step_counts)
+    kernel = kernel_timings(make_step(args.seed)[0], args.kernel_calls)
+
+    stage_median = {k: round(statistics.median(s[k] for s in stages), 3) for k in stages[0]}
+    result = {
+        "command": " ".join(["PYTHONPATH=.", os.path.basename(sys.executable)] + sys.argv),
+        "device": {"jax_devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
+                   "machine": platform.machine(), "cpu_model": cpu_model()},
+        "versions": {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jax.lib.__version__,
+                     "numpy": np.__version__, "sympy": sympy.__version__},
+        "config": {"agents": N_AGENTS, "prompts": N_PROMPTS, "G": G, "topology": "ring", "threshold": 0.0,
+                   "grader": "answers.math.grade_answer (Co-RL wrapper)", "steps": args.steps, "seed": args.seed,
+                   "agent_accuracy": AGENT_ACCURACY, "sympy_timeout_s": math_answers.SYMPY_TIMEOUT_S,
+                   "completion_chars_mean": round(statistics.mean(chars)),
+                   "completion_chars_min": min(chars), "completion_chars_max": max(chars)},
+        "score_step_cold_cache": summary(cold),
+        "score_step_warm_cache": summary(warm),
+        "stage_breakdown_median_ms": stage_median,
+        "per_step_counts": counts,
+        "kernel": kernel,
+        "targets": {"step_under_100ms_cold_median": statistics.median(cold) < 0.1,
+                    "step_under_100ms_warm_median": statistics.median(warm) < 0.1,
+                    "vote_kernel_under_1ms": kernel["vote"]["median_ms"] < 1.0},
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+    print(f"one ring3 step = {N_AGENTS} agents x {N_PROMPTS} prompts x {G} completions "
+          f"(~{result['config']['completion_chars_mean']} chars each), {args.steps} steps, {jax.devices()[0]}")
+    print(f"{'measure':36s} {'median ms':>10s} {'max ms':>10s}")
+    for label, s in (("score_step, cold grading cache", result["score_step_cold_cache"]),
+                     ("score_step, warm grading cache", result["score_step_warm_cache"])):
+        print(f"{label:36s} {s['median_ms']:10.2f} {s['max_ms']:10.2f}")
+    for k, v in stage_median.items():
+        print(f"  stage {k:30s} {v:10.2f}")
+    for k, v in kernel.items():
+        print(f"kernel {k:29s} {v['median_ms']:10.4f} {v['p90_ms']:10.4f} (p90)")
+    print(f"distinct (pred, label) pairs per step: {[c['distinct_pairs'] for c in counts]}")
+    print(f"targets: {result['targets']}  -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
