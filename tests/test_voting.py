@@ -429,3 +429,18 @@ def test_error_overlap_hand_computed():
     assert out["kappa"] == pytest.approx(0.5)
     assert out["p_both_wrong"] == pytest.approx(2 / 4)  # prompts 1 and 3
     assert out["p_both_wrong_same"] == pytest.approx(1 / 4)  # prompt 1 ("5"); unlabeled is no shared answer
+
+
+def test_real_math_answers_reward_equivalent_forms_across_vote_buckets():
+    # §1.9: the label is the teacher's vote key, equivalence at reward time is the (lenient) grader.
+    from corl_jax.answers import math as math_answers
+
+    texts = [["so $\\boxed{\\frac{3}{4}}$", "thus \\boxed{\\dfrac{3}{4}}", "I give up", "the answer is 2"],
+             ["we get 0.75", "\\boxed{3/4}", "\\boxed{}", "No numbers here"]]
+    result = voting.score_step(texts, ["\\frac{3}{4}", "2"], topology="pair", threshold=0.0,
+                               grader=PairGrader(math_answers.grade_answer), extract=math_answers.extract_answer,
+                               normalize=math_answers.normalize_answer, step=0, prompt_ids=[0, 1])
+    assert result.labels == [["\\frac{3}{4}", "2"], ["0.75", None]]  # "0.75" and "\frac{3}{4}" tie: first seen
+    np.testing.assert_array_equal(result.rewards, [[[1, 1], [0, 0]], [[1, 1], [0, 0]]])
+    assert [[math_answers.vote_key(t) for t in agent] for agent in texts] == [
+        ["\\frac{3}{4}", "\\frac{3}{4}", None, "2"], ["0.75", "\\frac{3}{4}", None, None]]
