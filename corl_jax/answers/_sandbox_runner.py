@@ -1,0 +1,381 @@
+"""Child side of the code sandbox (see `corl_jax.answers.code`); run as a script, never imported
+by the trainer.
+
+Started by the parent in a fresh working directory holding `job.pkl` (written by the parent, so
+trusted). Before any untrusted code runs, in this order: read the job; open the result file;
+confine the process in the kernel where the kernel allows it (no_new_privs; Landlock: file-system
+writes only beneath the working directory, no TCP, no signals or ptrace/procfs access to processes
+outside the sandbox; seccomp: no fork/exec/socket/ptrace, no kill of other pids); start a watchdog
+that exits when the parent goes away (stdin reaches EOF); lower the resource limits; install an
+audit hook that refuses the same escapes at the Python level (and works on any kernel). Then the
+completion's code is executed, mirroring the reference's in-process `run_outputs` /
+`passes_tests` (per-call SIGALRM timer, stdout swallowed, `sys.argv` neutralised). The first line
+of `results.jsonl` is a JSON object saying which kernel layers are active; then one JSON string per
+record, appended as soon as it is known, so a kill keeps the records already written.
+"""
+
+import contextlib
+import ctypes
+import hashlib
+import io
+import json
+import os
+import pickle
+import resource
+import signal
+import sys
+import threading
+import types
+import typing  # noqa: F401  pre-imported: the completion starts with `from typing import *`
+
+RESULTS_FILE = "results.jsonl"
+_MAX_OPEN_FILES = 64
+_MAX_WRITE_OPENS = 256  # bounds the disk a completion can fill: this many files of RLIMIT_FSIZE
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+_DENIED_EVENTS = frozenset({
+    "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "pty.spawn",
+    "subprocess.Popen", "socket.__new__", "resource.setrlimit", "resource.prlimit",
+    "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata",
+    "ctypes.string_at", "ctypes.wstring_at", "gc.get_objects", "gc.get_referrers",
+    "gc.get_referents", "os.killpg", "os.symlink", "os.link", "os.chown", "os.setxattr", "os.removexattr",
+})
+# Modules that reach around the audit hook: fork_exec is not audited, subinterpreters and the
+# CPython test modules run code without this interpreter's hooks.
+_DENIED_IMPORT_PREFIXES = ("_posixsubprocess", "_xxsubinterpreters", "_xxinterpchannels", "_test")
+# event -> (indices of path arguments, index of their dir_fd argument or None)
+_PATH_EVENTS = {
+    "os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2),
+    "os.chmod": ((0,), 2), "os.utime": ((0,), 3), "os.truncate": ((0,), None),
+    "os.rename": ((0, 1), 2), "shutil.rmtree": ((0,), None),
+}
+
+
+class CallTimeout(Exception):
+    """Raised by the per-call timer; an `Exception`, as in the reference, so code may catch it."""
+
+
+class _Discard(io.TextIOBase):
+    """Swallows the completion's prints without keeping them (the reference kept them in a StringIO)."""
+
+    def write(self, text):
+        return len(text)
+
+
+def marker(exc: BaseException) -> str:
+    if isinstance(exc, CallTimeout):
+        return "<TIMEOUT>"
+    if isinstance(exc, SystemExit):
+        return f"<ERR:SystemExit:{exc.code}>"
+    return f"<ERR:{type(exc).__name__}>"
+
+
+def compact(text: str, max_chars: int) -> str:
+    """Long reprs keep their head and a digest: equal outputs stay equal, records stay small."""
+    if len(text) <= max_chars:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{text[:max_chars // 4]}...<sha256:{digest} chars:{len(text)}>"
+
+
+@contextlib.contextmanager
+def call_limits(seconds: float):
+    """Per-call SIGALRM timer plus swallowed stdout, like the reference's `_time_limit`."""
+
+    def on_alarm(signum, frame):
+        raise CallTimeout()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        with contextlib.redirect_stdout(_Discard()):
+            yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def exit_when_parent_gone():
+    """The parent holds our stdin open until it has collected us; EOF means it died."""
+    try:
+        while os.read(0, 4096):
+            pass
+    except OSError:
+        pass
+    os._exit(70)
+
+
+# ------------------------------------------------------------------------------ kernel layers
+_PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS, _SECCOMP_MODE_FILTER = 22, 38, 2
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446  # all arches
+_LANDLOCK_RULE_PATH_BENEATH, _LANDLOCK_CREATE_RULESET_VERSION = 1, 1
+_CLONE_THREAD = 0x10000
+# machine -> (AUDIT_ARCH, clone, clone3, kill, tgkill, refused syscalls: fork, vfork, execve,
+# execveat, ptrace, process_vm_readv/writev, tkill, pidfd_send_signal, pidfd_getfd, socket,
+# io_uring_setup, unshare, setns, mount)
+_SECCOMP_TABLES = {
+    "x86_64": (0xC000003E, 56, 435, 62, 234,
+               (57, 58, 59, 322, 101, 310, 311, 200, 424, 438, 41, 425, 272, 308, 165)),
+    "aarch64": (0xC00000B7, 220, 435, 129, 131,
+                (221, 281, 117, 270, 271, 130, 424, 438, 198, 425, 97, 268, 40)),
+}
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.prctl.restype = ctypes.c_int
+    return libc
+
+
+def _checked(result: int) -> int:
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return result
+
+
+def landlock_write_rights(abi: int) -> int:
+    """WRITE_FILE, REMOVE_DIR/FILE, MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM, REFER (2), TRUNCATE (3)."""
+    rights = (1 << 1) | sum(1 << bit for bit in range(4, 13))
+    return rights | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
+
+
+def restrict_landlock(libc, workdir: str) -> int:
+    """Writes only beneath `workdir`; no TCP (ABI 4); no signals or abstract unix sockets to
+    processes outside the sandbox (ABI 6). Returns the ABI used, 0 where Landlock is missing."""
+    abi = libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), None, ctypes.c_long(0),
+                       ctypes.c_long(_LANDLOCK_CREATE_RULESET_VERSION))
+    if abi < 1:
+        return 0
+    rights = landlock_write_rights(abi)
+    attr = _RulesetAttr(rights, 0b11 if abi >= 4 else 0, 0b11 if abi >= 6 else 0)
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8
+    ruleset = _checked(libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), ctypes.byref(attr),
+                                    ctypes.c_long(size), ctypes.c_long(0)))
+    try:
+        beneath = _PathBeneathAttr(rights, os.open(workdir, os.O_PATH | os.O_CLOEXEC))
+        try:
+            _checked(libc.syscall(ctypes.c_long(_LANDLOCK_ADD_RULE), ctypes.c_long(ruleset),
+                                  ctypes.c_long(_LANDLOCK_RULE_PATH_BENEATH),
+                                  ctypes.byref(beneath), ctypes.c_long(0)))
+        finally:
+            os.close(beneath.parent_fd)
+        _checked(libc.syscall(ctypes.c_long(_LANDLOCK_RESTRICT_SELF), ctypes.c_long(ruleset),
+                              ctypes.c_long(0)))
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def seccomp_program(machine: str, own_pid: int) -> list[tuple[int, int, int, int]] | None:
+    """Classic BPF (code, jt, jf, k): refuse process creation, exec, sockets, ptrace and signals
+    to other pids with EPERM; threads (clone with CLONE_THREAD) stay allowed; clone3 answers
+    ENOSYS so that libc falls back to clone, whose flags can be inspected. None: unknown machine."""
+    if machine not in _SECCOMP_TABLES:
+        return None
+    arch, clone, clone3, kill, tgkill, refused = _SECCOMP_TABLES[machine]
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, eperm),  # foreign ABI (i386)
+               (load, 0, 0, 0), (jge, "deny", 0, 0x40000000)]  # x32 syscalls
+    program += [(jeq, "deny", 0, number) for number in refused]
+    program += [(jeq, "enosys", 0, clone3), (jeq, "clone", 0, clone), (jeq, "pid", 0, kill),
+                (jeq, "pid", 0, tgkill), (ret, 0, 0, allow)]
+    labels = {}
+    for label, block in (("clone", [(load, 0, 0, 16), (jset, "allow", "deny", _CLONE_THREAD)]),
+                         ("pid", [(load, 0, 0, 16), (jeq, "allow", "deny", own_pid)]),
+                         ("allow", [(ret, 0, 0, allow)]), ("deny", [(ret, 0, 0, eperm)]),
+                         ("enosys", [(ret, 0, 0, enosys)])):
+        labels[label] = len(program)
+        program += block
+
+    def offset(target, index):  # BPF jumps are relative and forward only
+        return labels[target] - index - 1 if isinstance(target, str) else target
+
+    return [(code, offset(jt, i), offset(jf, i), k) for i, (code, jt, jf, k) in enumerate(program)]
+
+
+def install_seccomp(libc) -> bool:
+    program = seccomp_program(os.uname().machine, os.getpid())
+    if program is None:
+        return False
+    filters = (_SockFilter * len(program))(*(_SockFilter(*instruction) for instruction in program))
+    fprog = _SockFprog(len(program), filters)
+    if libc.prctl(_PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog),
+                  ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        if ctypes.get_errno() == 22:  # EINVAL: kernel built without seccomp filters
+            return False
+        _checked(-1)
+    return True
+
+
+def confine_kernel(workdir: str) -> dict:
+    """Kernel-enforced layers for this process and its future threads; what is active."""
+    libc = _libc()
+    _checked(libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0),
+                        ctypes.c_ulong(0), ctypes.c_ulong(0)))
+    return {"landlock_abi": restrict_landlock(libc, workdir), "seccomp": install_seccomp(libc)}
+
+
+# ------------------------------------------------------------------------------ Python layers
+def set_limits(job):
+    # CPU: SIGXCPU at the soft limit (terminates), SIGKILL one second later if it is handled.
+    resource.setrlimit(resource.RLIMIT_CPU, (job["cpu_seconds"], job["cpu_seconds"] + 1))
+    limits = {  # hard = soft: the completion cannot raise them again
+        resource.RLIMIT_AS: job["memory_bytes"],
+        resource.RLIMIT_FSIZE: job["max_output_bytes"],
+        resource.RLIMIT_NOFILE: _MAX_OPEN_FILES,
+        resource.RLIMIT_CORE: 0,
+        # Binds only non-root users (and counts all their processes); as root the audit hook and
+        # the parent's kill of the whole process group contain forks.
+        resource.RLIMIT_NPROC: job["max_processes"],
+    }
+    for which, value in limits.items():
+        resource.setrlimit(which, (value, value))
+
+
+def install_guard(workdir: str):
+    own_pid = os.getpid()
+    proc_prefix = "/proc/"
+    writes = [0]
+
+    def resolve(path, dir_fd=None):
+        path = os.fsdecode(path)
+        if dir_fd is not None and not os.path.isabs(path):
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        return os.path.realpath(path)
+
+    def inside(resolved):
+        return resolved == workdir or resolved.startswith(workdir + os.sep)
+
+    def foreign_proc(resolved):
+        if not resolved.startswith(proc_prefix):
+            return False
+        entry = resolved[len(proc_prefix):].split(os.sep, 1)[0]
+        return entry.isdigit() and int(entry) != own_pid
+
+    def guard(event, args):
+        if event in _DENIED_EVENTS:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import":
+            if args[0].startswith(_DENIED_IMPORT_PREFIXES):
+                raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+        elif event == "ctypes.dlopen":
+            if args[0] is not None:
+                raise PermissionError("sandbox: loading native libraries is not allowed")
+        elif event == "os.kill":
+            if args[0] != own_pid:  # as the seccomp filter: no groups, no other pids
+                raise PermissionError("sandbox: signalling other processes is not allowed")
+        elif event == "open":
+            path, mode, flags = args
+            if isinstance(path, int):
+                return
+            resolved = resolve(path)
+            if foreign_proc(resolved):
+                raise PermissionError("sandbox: other processes' /proc entries are off limits")
+            if flags & _WRITE_FLAGS:
+                # os.open (mode None) may carry a dir_fd the event does not show: absolute only.
+                if not inside(resolved) or (mode is None and not os.path.isabs(os.fsdecode(path))):
+                    raise PermissionError(f"sandbox: writing {os.fsdecode(path)!r} is not allowed")
+                writes[0] += 1
+                if writes[0] > _MAX_WRITE_OPENS:
+                    raise PermissionError("sandbox: too many files opened for writing")
+        elif event in _PATH_EVENTS:
+            path_indices, dir_fd_index = _PATH_EVENTS[event]
+            dir_fd = args[dir_fd_index] if dir_fd_index is not None else None
+            for index in path_indices:
+                if not isinstance(args[index], int) and not inside(resolve(args[index], dir_fd)):
+                    raise PermissionError(f"sandbox: {event} outside the working directory")
+
+    sys.addaudithook(guard)
+
+
+def run_calls(job, record):
+    """`run_outputs` of the reference: exec the code afresh for every input, call, repr."""
+    for args in job["inputs"]:
+        sys.argv = [job["func_name"]]
+        try:
+            namespace = {}
+            with call_limits(job["call_seconds"]):
+                exec("from typing import *\n" + job["code"], namespace)
+                func = namespace.get(job["func_name"])
+                if func is None:
+                    outcome = "<NOFUNC>"
+                else:
+                    outcome = compact(repr(func(*args)), job["max_repr_chars"])
+            record(outcome)
+        except BaseException as exc:  # noqa: B036  untrusted code may raise anything
+            record(marker(exc))
+
+
+def run_tests(job, record):
+    """`passes_tests` of the reference: exec code + tests, call every callable named test*."""
+    sys.argv = ["pytest"]
+    try:
+        namespace = {}
+        with call_limits(job["call_seconds"]):
+            exec("from typing import *\n" + job["code"] + "\n" + job["test_code"], namespace)
+            tests = [value for name, value in namespace.items()
+                     if name.startswith("test") and callable(value)]
+            for test in tests:
+                test()
+        record("<PASS>" if tests else "<NOTESTS>")
+    except BaseException as exc:  # noqa: B036
+        record(marker(exc))
+
+
+def stub_posixsubprocess():
+    """`_posixsubprocess.fork_exec` raises no audit event: a stand-in keeps `import subprocess`
+    (pytest needs it) working while the real module is never loaded (its import is refused)."""
+    stub = types.ModuleType("_posixsubprocess")
+
+    def fork_exec(*args, **kwargs):
+        raise PermissionError("sandbox: starting processes is not allowed")
+
+    stub.fork_exec = fork_exec
+    sys.modules["_posixsubprocess"] = stub
+
+
+def main():
+    with open("job.pkl", "rb") as file:
+        job = pickle.load(file)
+    workdir = os.path.realpath(os.getcwd())
+    result_fd = os.open(RESULTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def record(entry):
+        os.write(result_fd, (json.dumps(entry) + "\n").encode("ascii"))
+
+    layers = confine_kernel(workdir)
+    threading.Thread(target=exit_when_parent_gone, daemon=True).start()
+    set_limits(job)  # after the thread: RLIMIT_NPROC counts threads for non-root users
+    sys.path.extend(job["extra_sys_path"])
+    stub_posixsubprocess()
+    for module in job["preload"]:  # trusted imports (pytest) stay outside the per-call timer
+        __import__(module)
+    install_guard(workdir)
+    record(layers)  # first line: the parent's sign that set-up is complete
+    {"calls": run_calls, "tests": run_tests}[job["mode"]](job, record)
+    os._exit(0)  # do not wait for threads the completion may have left running
+
+
+if __name__ == "__main__":
+    main()
