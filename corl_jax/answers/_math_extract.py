@@ -128,7 +128,7 @@ def strip_string(string: object, skip_unit: bool = False) -> str:
 
 
 def _boxed_content(after_boxed: str) -> str:
-    """Brace-balanced `{...}` after the last `boxed` (unclosed: the rest); else the text up to the next `$`."""
+    """Brace-balanced `{...}` after the last `boxed` (unclosed: all the rest), else the text up to a `$`."""
     if not after_boxed:
         return ""
     if after_boxed[0] != "{":

@@ -46,7 +46,7 @@ _BUILTIN_NAMES = frozenset(vars(builtins))
 
 
 def _latex_context() -> macrospec.LatexContextDb:
-    """pylatexenc's default context, but `\\ensuremath{..}` is dropped as in pylatexenc 2.10 (the reference's)."""
+    """pylatexenc's default context, `\\ensuremath{..}` dropped as by 2.10 (the reference's)."""
     context = latex2text.get_default_latex_context_db()
     context.add_context_category(
         "pylatexenc-2.10", prepend=True, macros=[latex2text.MacroTextSpec("ensuremath", discard=True)]

@@ -31,6 +31,10 @@ class SympyWorker:
     """Client of one worker process; thread-safe (requests are serialised)."""
 
     def __init__(self) -> None:
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the handle without touching the process (a forked child must not share its parent's)."""
         self._proc: subprocess.Popen | None = None
         self._pending = b""
         self._lock = threading.Lock()
@@ -68,13 +72,13 @@ class SympyWorker:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._kill()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-P", os.path.abspath(__file__)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            close_fds=True,
-        )
+        command = [sys.executable, "-P", os.path.abspath(__file__)]
+        try:
+            self._proc = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+            )
+        except OSError as error:
+            raise RuntimeError(f"cannot start the sympy worker {command}: {error}") from error
         hello = self._read_line(STARTUP_TIMEOUT_S)
         if hello != b"ready":
             self._kill()
@@ -158,6 +162,7 @@ def _serve() -> None:
 
 _WORKER = SympyWorker()
 atexit.register(_WORKER.close)
+os.register_at_fork(after_in_child=_WORKER._forget)
 
 
 def is_zero(expr: str, timeout_s: float) -> bool:

@@ -11,9 +11,10 @@ Quirks of the reference are reproduced on purpose (unit-word deletion of single 
 buckets, no numeric tolerance except integer snapping at 1e-7, unreduced fractions rejected, tuple order
 matters). Model output is untrusted: the symbolic check runs only on whitelisted text, in a separate
 process bounded by `SYMPY_TIMEOUT_S` (a timeout grades False); results are cached per (pred, gold) pair.
-Deliberate differences from the reference, all on hostile or degenerate input: answers whose symbolic
-check would need `_`, quotes, brackets, `=`, keywords or builtin names, or `**` chains are graded False
-without evaluation; grading against `UNLABELED` is always False.
+Deliberate differences from the reference (none on the spec's cases or on MATH-500): an element pair whose
+symbolic check would need `_` (so also subscripts like `a_1`), quotes, brackets, `=`, a keyword or builtin
+name, or a `**` power chain is graded False without evaluation; grading against `UNLABELED` is always
+False; a scientific-notation exponent too long for `int` is left as text instead of raising.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ UNLABELED = "\x00__unlabeled__\x00"
 _CACHE_SIZE = 1 << 16
 # co_label_utils' pattern with `(?<!\d)` added before the mantissa's digits: leftmost matches never start
 # inside a digit run, so results are unchanged, but long digit runs cost linear instead of quadratic time.
-_LATEX_SCI = re.compile(r"(-?\s*(?<!\d)\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|\*)\s*10\s*\^\s*\{?\s*(-?\d+)\s*\}?")
+_LATEX_SCI = re.compile(
+    r"(-?\s*(?<!\d)\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|\*)\s*10\s*\^\s*\{?\s*(-?\d+)\s*\}?"
+)
 
 
 def vote_key(text: str) -> str | None:
@@ -69,14 +72,20 @@ def _sci_replacement(match: re.Match) -> str:
 
 
 def normalize_sci_notation(s: str | None) -> str | None:
-    r"""`3.74 \times 10^{24}` -> `3.74e24`, `- 2 \times 10^{3}` -> `-2e3` (co_label_utils); non-str unchanged."""
+    r"""`3.74 \times 10^{24}` -> `3.74e24`, `- 2 \times 10^{3}` -> `-2e3` (co_label_utils); non-str as is."""
     if not isinstance(s, str) or "^" not in s:  # every match contains `^`
         return s
     return _LATEX_SCI.sub(_sci_replacement, s)
 
 
 def _sympy_is_zero(expr: str) -> bool:
-    return _sympy_worker.is_zero(expr, SYMPY_TIMEOUT_S)
+    timeout_s = SYMPY_TIMEOUT_S
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+        raise ValueError(
+            "corl_jax.answers.math.SYMPY_TIMEOUT_S must be a positive, finite number of seconds, "
+            f"got {timeout_s!r}"
+        )
+    return _sympy_worker.is_zero(expr, timeout_s)
 
 
 def _check_answer_types(pred: object, gold: object) -> None:
