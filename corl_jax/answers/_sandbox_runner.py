@@ -37,7 +37,8 @@ _DENIED_EVENTS = frozenset({
     "subprocess.Popen", "socket.__new__", "resource.setrlimit", "resource.prlimit",
     "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata",
     "ctypes.string_at", "ctypes.wstring_at", "gc.get_objects", "gc.get_referrers",
-    "gc.get_referents", "os.killpg", "os.symlink", "os.link", "os.chown", "os.setxattr", "os.removexattr",
+    "gc.get_referents", "os.killpg", "os.symlink", "os.link", "os.chown", "os.setxattr",
+    "os.removexattr",
 })
 # Modules that reach around the audit hook: fork_exec is not audited, subinterpreters and the
 # CPython test modules run code without this interpreter's hooks.
@@ -55,7 +56,7 @@ class CallTimeout(Exception):
 
 
 class _Discard(io.TextIOBase):
-    """Swallows the completion's prints without keeping them (the reference kept them in a StringIO)."""
+    """Swallows the completion's prints without keeping them (the reference used a StringIO)."""
 
     def write(self, text):
         return len(text)
@@ -154,7 +155,8 @@ def _checked(result: int) -> int:
 
 
 def landlock_write_rights(abi: int) -> int:
-    """WRITE_FILE, REMOVE_DIR/FILE, MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM, REFER (2), TRUNCATE (3)."""
+    """WRITE_FILE, REMOVE_DIR/FILE, MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM (ABI 1), REFER (ABI 2),
+    TRUNCATE (ABI 3)."""
     rights = (1 << 1) | sum(1 << bit for bit in range(4, 13))
     return rights | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
 
@@ -245,8 +247,8 @@ def set_limits(job):
         resource.RLIMIT_FSIZE: job["max_output_bytes"],
         resource.RLIMIT_NOFILE: _MAX_OPEN_FILES,
         resource.RLIMIT_CORE: 0,
-        # Binds only non-root users (and counts all their processes); as root the audit hook and
-        # the parent's kill of the whole process group contain forks.
+        # Binds only non-root users (and counts all their processes); as root, seccomp, the audit
+        # hook and the parent's kill of the whole process group contain forks.
         resource.RLIMIT_NPROC: job["max_processes"],
     }
     for which, value in limits.items():

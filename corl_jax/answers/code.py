@@ -9,25 +9,31 @@ happens in a sandbox, one child process per completion:
 * a fresh temporary working directory, removed afterwards, also used as HOME and TMPDIR;
 * an environment built from scratch (PATH, LANG, thread counts, and PYTHONHASHSEED=0 so that sets of
   strings print in the same order in every sandbox): nothing, secrets included, is inherited;
-* resource limits set by the runner before the code runs, with hard = soft: CPU time, address
-  space, file size (also caps the child's stderr and result files), open files, no core dumps,
-  process count (RLIMIT_NPROC binds only non-root users);
+* resource limits set by the runner before the code runs (hard = soft, except CPU: SIGXCPU then
+  SIGKILL): CPU time, address space, file size (also caps the child's stderr and result files),
+  open files, no core dumps, process count (RLIMIT_NPROC binds only non-root users);
 * its own session (`start_new_session`): on return, or after the wall-clock limit, the whole
   process group is SIGKILLed while the child is still unreaped (no pid reuse race); the parent
   waits on a pidfd, so it never blocks longer than the wall limit; stdout goes to /dev/null, stderr
   to a size-capped file that is read with a bound; the child exits by itself if the parent dies;
-* an audit hook (`sys.addaudithook`) in the child that refuses fork/exec/spawn/subprocess,
-  signals to other processes, sockets, ctypes symbol lookups and raw memory access, imports that
-  bypass the hook (`_posixsubprocess`, subinterpreters, CPython test modules), writes outside the
-  working directory, and reads of other processes' /proc entries (e.g. the parent's environ).
+* kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active):
+  no_new_privs; Landlock (writes only beneath the working directory, no TCP, and from ABI 6 no
+  signals to processes outside the sandbox); a seccomp filter (x86_64, aarch64) refusing fork,
+  vfork, non-thread clone, exec, socket, ptrace, process_vm_*, io_uring, unshare/setns/mount and
+  kill/tgkill of any pid but its own;
+* an audit hook (`sys.addaudithook`) in the child that refuses the same escapes at the Python
+  level on any kernel: fork/exec/spawn/subprocess, signals to other processes, sockets, ctypes
+  symbol lookups and raw memory access, imports that bypass the hook (`_posixsubprocess`,
+  subinterpreters, CPython test modules), writes outside the working directory, and reads of
+  other processes' /proc entries (e.g. the parent's environ, which Landlock does not cover).
 
-Audit hooks are not a security boundary on their own: native code reaching the kernel directly
-bypasses them, and the child runs as the same user as the trainer (as root in CI), so only the
-process isolation, the rlimits and the group kill are enforced by the kernel. The hook turns the
-common escapes (fork bombs, `os.kill(os.getppid(), 9)`, writing /tmp files) into ordinary
-`<ERR:PermissionError>` markers. Reading files is not restricted (the reference could read them
-too); keep secrets off disks readable by the trainer's user. Results travel back as JSON lines in
-the working directory, so determined code could forge its own records (it could in the reference).
+Audit hooks are not a security boundary on their own (native code bypasses them, and the child
+runs as the trainer's user, root in CI, for which RLIMIT_NPROC does not count); they turn common
+escapes into ordinary `<ERR:PermissionError>` markers. The kernel-enforced parts are the process
+isolation, the rlimits, the group kill and, where active, Landlock and seccomp. Reading files is
+not restricted (the reference could read them too): keep secrets off disks readable by the
+trainer's user. Results travel back as JSON lines in the working directory, so determined code
+could forge its own records (it could in the reference).
 
 Differences from the reference, all in cases the reference could not survive or bound:
 prints are discarded instead of buffered; the per-call timer also covers `repr(result)`;
@@ -73,7 +79,8 @@ class SandboxError(RuntimeError):
 class SandboxLimits:
     """Limits of one sandboxed run (one completion).
 
-    call_seconds: per-call timer in the child (the reference's SIGALRM; 2 s for votes, 4 s for tests).
+    call_seconds: per-call timer in the child (the reference's SIGALRM): 2 s for votes, 4 s for
+        tests.
     wall_seconds: wall clock of the whole child, enforced by the parent; None = call_seconds per
         call plus 2 s of start-up.
     cpu_seconds: RLIMIT_CPU of the child; None = the wall limit rounded up, plus 1.
@@ -121,7 +128,8 @@ def _require_str(value, name: str):
 
 
 def extract_code(text: str) -> str | None:
-    """The last ```python (or plain ```) fenced block, else the whole text; stripped; None if empty."""
+    """The last ```python (or plain ```) fenced block, else the whole text; stripped; None when
+    empty."""
     _require_str(text, "text")
     blocks = _FENCE.findall(text)
     code = (blocks[-1] if blocks else text).strip()
