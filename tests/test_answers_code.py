@@ -383,8 +383,9 @@ def test_sandbox_exits_when_its_parent_dies(tmp_path):
     # runner must notice (stdin EOF) and exit instead of running on as an orphan.
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
+        import sys, tempfile
         sys.path.insert(0, {str(Path(code_answers.__file__).parents[2])!r})
+        tempfile.tempdir = {str(tmp_path)!r}  # a killed parent cannot remove its sandbox dir
         from corl_jax.answers.code import SandboxLimits, run_outputs
         source = "import time\\ndef f():\\n    time.sleep(60)"
         run_outputs(source, "f", [()], limits=SandboxLimits(call_seconds=60, wall_seconds=60))

@@ -15,7 +15,8 @@ happens in a sandbox, one child process per completion:
 * its own session (`start_new_session`): on return, or after the wall-clock limit, the whole
   process group is SIGKILLed while the child is still unreaped (no pid reuse race); the parent
   waits on a pidfd, so it never blocks longer than the wall limit; stdout goes to /dev/null, stderr
-  to a size-capped file that is read with a bound; the child exits by itself if the parent dies;
+  to a size-capped file that is read with a bound; the child exits by itself if the parent dies
+  (a trainer killed by SIGKILL leaves the working directories of in-flight sandboxes behind);
 * kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active):
   no_new_privs; Landlock (writes only beneath the working directory, no TCP, and from ABI 6 no
   signals to processes outside the sandbox); a seccomp filter (x86_64, aarch64) refusing fork,
