@@ -4,6 +4,7 @@ import re
 
 import numpy as np
 import pytest
+import scipy.special
 import scipy.stats
 
 import jax
@@ -142,3 +143,195 @@ def test_default_path_has_no_sort_or_top_k():
 def test_bad_params_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine on tiny random checkpoints, against transformers.
+# ----------------------------------------------------------------------------------------------
+
+import torch  # noqa: E402  (CPU torch: the transformers oracle)
+import transformers  # noqa: E402
+
+import corl_jax.models as models  # noqa: E402
+from corl_jax.models import sharding  # noqa: E402
+from corl_jax.sampling.engine import Buckets, Sampler, segment_ends  # noqa: E402
+from hf_tiny import hf_logits, make_tiny_hf_checkpoint  # noqa: E402
+
+FAMILIES = {
+    "qwen2": dict(num_key_value_heads=2),
+    "llama": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(num_key_value_heads=2, head_dim=24),
+}
+# Small buckets so that tiny tests cross several attention segments and extra prompt padding.
+SMALL = Buckets(prompt=8, new_tokens=16, kv_block=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = make_tiny_hf_checkpoint(tmp_path_factory.mktemp(family), family, **FAMILIES[family])
+        return built[family]
+
+    return get
+
+
+def mixed_length_prompts(lengths, width, seed=0, vocab=259):
+    """Left-padded random prompts [P, width] (pad id 0) with the given real lengths."""
+    rng = np.random.default_rng(seed)
+    mask = np.arange(width)[None, :] >= width - np.asarray(lengths)[:, None]
+    return np.where(mask, rng.integers(3, vocab, (len(lengths), width)), 0).astype(np.int32), mask
+
+
+def hf_greedy(directory, ids, mask, max_new_tokens, stop_ids, pad_id):
+    """transformers' greedy `generate`, padded to max_new_tokens with pad_id."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        out = model.generate(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stop_ids) or None,
+                             pad_token_id=pad_id)
+    new = out[:, ids.shape[1]:].numpy()
+    return np.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=pad_id)
+
+
+def sampler_for(directory, buckets=SMALL, stop_ids=(), mesh=None):
+    policy = models.from_pretrained(directory, dtype=jnp.float32, mesh=mesh)
+    return Sampler(policy.model, stop_ids=stop_ids, pad_id=0, mesh=mesh, buckets=buckets)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_transformers_generate(family, checkpoint):
+    directory = checkpoint(family)
+    ids, mask = mixed_length_prompts([11, 3, 7], 11)  # prompt bucket 8 -> width 16
+    sampler = sampler_for(directory)
+    out = sampler.generate(ids, mask, num_samples=2, max_new_tokens=24, params=SamplingParams(greedy=True),
+                           key=jax.random.key(0))
+    want = hf_greedy(directory, ids, mask, 24, stop_ids=(), pad_id=0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.repeat(want, 2, axis=0))
+    assert np.all(out.mask) and np.all(out.lengths == 24) and np.all(out.truncated)
+
+
+def test_attention_segments_do_not_change_the_result(checkpoint):
+    directory = checkpoint("qwen3")
+    ids, mask = mixed_length_prompts([5, 9], 9, seed=1)
+    params = SamplingParams(temperature=0.8)
+    results = [
+        sampler_for(directory, Buckets(prompt=4, new_tokens=40, kv_block=block)).generate(
+            ids, mask, num_samples=3, max_new_tokens=37, params=params, key=jax.random.key(7))
+        for block in (0, 5, 16)
+    ]
+    for other in results[1:]:
+        np.testing.assert_array_equal(np.asarray(other.tokens), np.asarray(results[0].tokens))
+        np.testing.assert_allclose(np.asarray(other.logprobs), np.asarray(results[0].logprobs), atol=1e-5)
+    assert segment_ends(40, 16) == (16, 32, 40) and segment_ends(40, 0) == (40,)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.01), SamplingParams(temperature=1.2, top_k=20, logprobs="raw")],
+    ids=str,
+)
+def test_logprobs_equal_teacher_forced_forward(params, checkpoint):
+    directory = checkpoint("qwen2")
+    ids, mask = mixed_length_prompts([6, 10], 10, seed=2)
+    out = sampler_for(directory).generate(ids, mask, num_samples=2, max_new_tokens=12, params=params,
+                                          key=jax.random.key(3))
+    tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
+    full_ids = np.concatenate([np.repeat(ids, 2, axis=0), tokens], axis=1)
+    full_mask = np.concatenate([np.repeat(mask, 2, axis=0), np.ones_like(tokens, bool)], axis=1)
+    # logits predicting completion token t sit at column (prompt width - 1 + t)
+    logits = hf_logits(directory, full_ids, full_mask)[:, ids.shape[1] - 1:-1]
+    for row in range(tokens.shape[0]):
+        if params.logprobs == "raw":
+            want = scipy.special.log_softmax(logits[row].astype(np.float64), axis=-1)
+        else:
+            with np.errstate(divide="ignore"):  # log(0) for dropped tokens, never sampled
+                want = np.log(reference_kept_probs(logits[row], params))
+        np.testing.assert_allclose(logprobs[row], want[np.arange(tokens.shape[1]), tokens[row]], atol=1e-4)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.3, top_k=12)],
+                         ids=str)
+def test_first_token_frequencies_match_the_model(params, checkpoint):
+    """Chi-square of 4000 samples of one prompt's first token against the model's truncated softmax."""
+    directory = checkpoint("llama")
+    ids, mask = mixed_length_prompts([7], 7, seed=4)
+    draws = 4000
+    out = sampler_for(directory).generate(ids, mask, num_samples=draws, max_new_tokens=1, params=params,
+                                          key=jax.random.key(5))
+    want = reference_kept_probs(hf_logits(directory, ids, mask)[:, -1], params)[0]
+    counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=want.size)
+    kept = want > 0
+    assert counts[~kept].sum() == 0
+    assert kept.sum() > 3, "the test needs a non-trivial truncated distribution"
+    result = scipy.stats.chisquare(counts[kept], draws * want[kept])
+    assert result.pvalue > 1e-3, result
+
+
+def test_stop_tokens_end_rows_and_belong_to_the_completion(checkpoint):
+    directory = checkpoint("qwen2")
+    ids, mask = mixed_length_prompts([4, 8, 6], 8, seed=6)
+    greedy = SamplingParams(greedy=True)
+    free = sampler_for(directory).generate(ids, mask, num_samples=1, max_new_tokens=20, params=greedy,
+                                           key=jax.random.key(0))
+    free_tokens = np.asarray(free.tokens)
+    stop = int(free_tokens[0, 4])  # row 0 stops at its first occurrence of this token
+    out = sampler_for(directory, stop_ids=(stop,)).generate(ids, mask, num_samples=1, max_new_tokens=20,
+                                                            params=greedy, key=jax.random.key(0))
+    tokens, out_mask = np.asarray(out.tokens), np.asarray(out.mask)
+    np.testing.assert_array_equal(tokens, hf_greedy(directory, ids, mask, 20, stop_ids=(stop,), pad_id=0))
+    for row in range(3):
+        hits = np.flatnonzero(free_tokens[row] == stop)
+        length = hits[0] + 1 if hits.size else 20
+        assert out.lengths[row] == length and bool(out.truncated[row]) == (hits.size == 0)
+        np.testing.assert_array_equal(out_mask[row], np.arange(20) < length)
+        np.testing.assert_array_equal(tokens[row, :length], free_tokens[row, :length])
+        assert np.all(tokens[row, length:] == 0) and np.all(np.asarray(out.logprobs)[row, length:] == 0)
+    assert not out.truncated[0] and tokens[0, out.lengths[0] - 1] == stop
+
+
+def test_deterministic_for_a_key_and_compiled_once_per_bucket(checkpoint, caplog):
+    directory = checkpoint("qwen3")
+    ids, mask = mixed_length_prompts([5, 3], 5, seed=8)
+    sampler = sampler_for(directory)
+    params = SamplingParams(temperature=1.0)
+    with caplog.at_level("INFO", logger="corl_jax.sampling.engine"):
+        a = sampler.generate(ids, mask, num_samples=2, max_new_tokens=10, params=params, key=jax.random.key(1))
+        b = sampler.generate(ids, mask, num_samples=2, max_new_tokens=10, params=params, key=jax.random.key(1))
+        c = sampler.generate(ids, mask, num_samples=2, max_new_tokens=14, params=params, key=jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert c.tokens.shape == (4, 14) and not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens)[:, :10])
+    compiles = [r for r in caplog.records if "compiling" in r.getMessage()]
+    assert len(compiles) == 1 and "'new_tokens': 16" in compiles[0].getMessage()
+
+
+def test_sharded_over_eight_devices_equals_single_device(checkpoint):
+    assert jax.device_count() == 8, "tests/conftest.py provides 8 fake CPU devices"
+    directory = checkpoint("llama")
+    ids, mask = mixed_length_prompts([3, 8, 5, 6, 2, 7, 4, 8], 8, seed=9)
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    kwargs = dict(num_samples=2, max_new_tokens=12, params=params, key=jax.random.key(11))
+    single = sampler_for(directory).generate(ids, mask, **kwargs)
+    mesh = sharding.make_mesh(data=4, tensor=2)
+    sharded = sampler_for(directory, mesh=mesh).generate(ids, mask, **kwargs)
+    assert len(sharded.tokens.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
+    np.testing.assert_allclose(np.asarray(sharded.logprobs), np.asarray(single.logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "ids, mask, message",
+    [
+        (np.array([[1, 2], [3, 4]]), np.array([[True, True], [False, False]]), "no tokens"),
+        (np.array([[1, 2, 3]]), np.array([[True, False, True]]), "left-padded"),
+        (np.array([[1, 999]]), np.array([[True, True]]), r"\[0, 272\)"),
+        (np.array([1, 2]), np.array([True, True]), r"\[P, Tp\]"),
+    ],
+)
+def test_bad_prompts_are_rejected(ids, mask, message, checkpoint):
+    sampler = sampler_for(checkpoint("qwen2"))
+    with pytest.raises(ValueError, match=message):
+        sampler.generate(ids, mask, num_samples=1, max_new_tokens=4, params=SamplingParams(), key=jax.random.key(0))

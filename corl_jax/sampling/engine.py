@@ -1,0 +1,270 @@
+"""The generation engine: prompt ids in, completion ids and logprobs out (no text in here).
+
+One compiled program per shape bucket does everything on the device:
+
+1. prefill each distinct prompt once (a [P, Tp] forward that writes the prompt's K/V);
+2. share the prompt cache with its G samples (`KVCache.repeat_batch`: rows p*G .. p*G+G-1) and
+   grow it to Tp + T slots; sample each row's first token from its prompt's last logits;
+3. decode one token per row per step in `lax.while_loop`s that stop as soon as every row has
+   emitted a stop id (or T tokens). The loop is cut into *attention segments*: segment j covers
+   steps [(j-1)·kv_block, j·kv_block) and attends over the first Tp + j·kv_block cache slots only,
+   so the attention cost of a step follows the filled length (to within kv_block), not Tp + T.
+
+The cache is created inside the program and lives in the loop carry, updated in place: no cache
+crosses the program boundary, so there is nothing to copy or donate. Shapes are bucketed (prompt
+width, new-token budget), the requested `max_new_tokens` is a runtime argument, and each new
+program is logged with its bucket and compile time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from corl_jax.models.decoder import Decoder, KVCache, positions_from_mask
+from corl_jax.models.sharding import DEFAULT_RULES, batch_sharding, cache_shardings
+from corl_jax.sampling.controls import SamplingParams, sample_tokens
+
+log = logging.getLogger(__name__)
+
+
+@flax.struct.dataclass
+class Completions:
+    """Generated rows, prompt-major: row p*G + g is sample g of prompt p.
+
+    tokens:    int32 [P*G, T]; the stop token is included, later slots hold the pad id.
+    mask:      bool [P*G, T]; True on generated tokens up to and including the stop token.
+    logprobs:  float32 [P*G, T]; log-probability of each token (0 where masked).
+    lengths:   int32 [P*G]; number of True entries of `mask`.
+    truncated: bool [P*G]; True when the row hit the token budget without a stop token.
+    """
+
+    tokens: jax.Array
+    mask: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Shape buckets that bound the number of compiled programs.
+
+    prompt: prompt width is rounded up to a multiple of this (extra left padding).
+    new_tokens: the token budget is rounded up to a multiple of this; the exact budget is a
+      runtime argument, so budgets within one bucket share a program.
+    kv_block: attention segment width in decode steps (0: attend over the whole cache each step).
+    """
+
+    prompt: int = 64
+    new_tokens: int = 256
+    kv_block: int = 128
+
+    def __post_init__(self):
+        for name in ("prompt", "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Buckets.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_block < 0:
+            raise ValueError(f"Buckets.kv_block must be >= 0 (0 = one segment), got {self.kv_block}")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def segment_ends(new_tokens: int, kv_block: int) -> tuple[int, ...]:
+    """Decode-step boundaries of the attention segments: (kv_block, 2·kv_block, ..., new_tokens)."""
+    if kv_block == 0 or kv_block >= new_tokens:
+        return (new_tokens,)
+    return tuple(range(kv_block, new_tokens, kv_block)) + (new_tokens,)
+
+
+class Sampler:
+    """Samples completions from one NNX `Decoder`; compiled programs are cached per bucket.
+
+    The decoder's current weights are read at every call (`nnx.split`), so the sampler follows
+    training updates made in place on the same model object.
+
+    Args:
+      model: the decoder (parameters already placed on `mesh` when one is given).
+      stop_ids: token ids that end a completion (e.g. `tokenization.stop_token_ids`).
+      pad_id: written after the stop token and used for extra prompt padding.
+      mesh, rules: shard the batch over the mesh's batch axes and the cache per `rules`
+        (default: the model's `DEFAULT_RULES`); None runs on the default device.
+      buckets: shape buckets (see `Buckets`).
+    """
+
+    def __init__(self, model: Decoder, *, stop_ids: Sequence[int], pad_id: int = 0, mesh: Mesh | None = None,
+                 rules=DEFAULT_RULES, buckets: Buckets = Buckets()):
+        vocab = model.config.vocab_size
+        stop_ids = tuple(int(i) for i in stop_ids)
+        bad = [i for i in stop_ids + (pad_id,) if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"stop/pad ids {bad} are outside the model's vocabulary of {vocab}")
+        self.model = model
+        self.stop_ids = np.asarray(stop_ids, np.int32)
+        self.pad_id = int(pad_id)
+        self.mesh = mesh
+        self.rules = rules
+        self.buckets = buckets
+        self._programs: dict[Any, Any] = {}
+        self.compile_seconds: dict[Any, float] = {}
+
+    @classmethod
+    def from_policy(cls, policy, *, stop_ids: Sequence[int] | None = None, buckets: Buckets = Buckets()) -> "Sampler":
+        """A sampler for a loaded `corl_jax.models.Policy` (stop ids from its checkpoint by default)."""
+        tokenizer = policy.tokenizer
+        if stop_ids is None:
+            stop_ids = _policy_stop_ids(policy)
+        return cls(policy.model, stop_ids=stop_ids, pad_id=tokenizer.pad_token_id, mesh=policy.mesh,
+                   rules=policy.rules, buckets=buckets)
+
+    def generate(self, prompt_ids, prompt_mask, *, num_samples: int, max_new_tokens: int,
+                 params: SamplingParams, key: jax.Array) -> Completions:
+        """Samples `num_samples` completions of at most `max_new_tokens` tokens per prompt.
+
+        prompt_ids int [P, Tp] and prompt_mask bool [P, Tp] are a left-padded batch (every row
+        with at least one token). Returns `Completions` with T = max_new_tokens.
+        """
+        ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
+        _check_prompts(ids, mask, self.model.config.vocab_size)
+        if num_samples < 1 or max_new_tokens < 1:
+            raise ValueError(f"num_samples ({num_samples}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+        width = round_up(ids.shape[1], self.buckets.prompt)
+        pad = width - ids.shape[1]
+        ids = np.pad(ids.astype(np.int32), ((0, 0), (pad, 0)), constant_values=self.pad_id)
+        mask = np.pad(mask, ((0, 0), (pad, 0)), constant_values=False)
+        if self.mesh is not None:
+            ids, mask = (jax.device_put(x, batch_sharding(x.shape, self.mesh, self.rules)) for x in (ids, mask))
+        graphdef, state = nnx.split(self.model)
+        new_bucket = round_up(max_new_tokens, self.buckets.new_tokens)
+        program = self._program(graphdef, state, ids, mask, key, num_samples, new_bucket, params)
+        out = program(state, ids, mask, self.stop_ids, np.int32(max_new_tokens), key)
+        return jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
+
+    def _program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
+        bucket = dict(prompts=ids.shape[0], samples=num_samples, prompt_width=ids.shape[1], new_tokens=new_bucket,
+                      kv_block=self.buckets.kv_block, params=params)
+        cache_key = (graphdef, tuple(bucket.items()))
+        program = self._programs.get(cache_key)
+        if program is None:
+            log.info("sampler: compiling a program for bucket %s", bucket)
+            start = time.perf_counter()
+            static = dict(graphdef=graphdef, num_samples=num_samples, new_bucket=new_bucket,
+                          kv_block=self.buckets.kv_block, params=params, pad_id=self.pad_id, mesh=self.mesh,
+                          rules=self.rules)
+            jitted = jax.jit(_generate, static_argnames=tuple(static))
+            program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, **static).compile()
+            seconds = time.perf_counter() - start
+            log.info("sampler: compiled bucket %s in %.1f s", bucket, seconds)
+            self._programs[cache_key] = program
+            self.compile_seconds[tuple(bucket.items())] = seconds
+        return program
+
+
+def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphdef, num_samples, new_bucket, kv_block,
+              params: SamplingParams, pad_id, mesh, rules) -> Completions:
+    """The whole generation program (see the module docstring)."""
+    model = nnx.merge(graphdef, state)
+    P, Tp = prompt_ids.shape
+    B = P * num_samples
+    positions = positions_from_mask(prompt_mask)
+    hidden, cache = model.prefill(prompt_ids, positions, prompt_mask, model.init_cache(P, Tp), attend_len=Tp)
+    cache = _grow(cache.repeat_batch(num_samples), Tp + new_bucket)
+    if mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
+    logits = jnp.repeat(model.logits(hidden), num_samples, axis=0)
+    first, first_logprob = sample_tokens(logits, jax.random.fold_in(key, 0), params)
+    # Position of each row's first new token: one past its last prompt token.
+    start_positions = jnp.repeat(positions[:, -1] + 1, num_samples)
+
+    carry = _Carry(
+        cache=cache,
+        tokens=jnp.full((B, new_bucket), pad_id, jnp.int32).at[:, 0].set(first),
+        logprobs=jnp.zeros((B, new_bucket), jnp.float32).at[:, 0].set(first_logprob),
+        done=jnp.isin(first, stop_ids),
+        lengths=jnp.ones((B,), jnp.int32),
+        step=jnp.ones((), jnp.int32),
+    )
+
+    def decode_step(c: _Carry, attend_len: int) -> _Carry:
+        previous = jax.lax.dynamic_index_in_dim(c.tokens, c.step - 1, axis=1, keepdims=False)
+        hidden, cache = model.decode_step(previous, start_positions + c.step - 1, c.cache, attend_len=attend_len)
+        tokens, logprobs = sample_tokens(model.logits(hidden), jax.random.fold_in(key, c.step), params)
+        tokens = jnp.where(c.done, pad_id, tokens)
+        logprobs = jnp.where(c.done, 0.0, logprobs)
+        return _Carry(
+            cache=cache,
+            tokens=jax.lax.dynamic_update_index_in_dim(c.tokens, tokens, c.step, axis=1),
+            logprobs=jax.lax.dynamic_update_index_in_dim(c.logprobs, logprobs, c.step, axis=1),
+            done=c.done | jnp.isin(tokens, stop_ids),
+            lengths=c.lengths + (~c.done).astype(jnp.int32),
+            step=c.step + 1,
+        )
+
+    for end in segment_ends(new_bucket, kv_block):
+        limit = jnp.minimum(end, max_new)
+        carry = jax.lax.while_loop(
+            lambda c, limit=limit: (c.step < limit) & ~jnp.all(c.done),
+            lambda c, attend_len=Tp + end: decode_step(c, attend_len),
+            carry,
+        )
+    mask = jnp.arange(new_bucket)[None, :] < carry.lengths[:, None]
+    return Completions(tokens=carry.tokens, mask=mask, logprobs=carry.logprobs, lengths=carry.lengths,
+                       truncated=~carry.done)
+
+
+@flax.struct.dataclass
+class _Carry:
+    cache: KVCache
+    tokens: jax.Array
+    logprobs: jax.Array
+    done: jax.Array
+    lengths: jax.Array
+    step: jax.Array
+
+
+def _grow(cache: KVCache, max_len: int) -> KVCache:
+    """The same cache with `max_len` slots (new slots empty); `index` is unchanged."""
+    extra = max_len - cache.max_len
+    kv_pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
+    return cache.replace(k=jnp.pad(cache.k, kv_pad), v=jnp.pad(cache.v, kv_pad),
+                         mask=jnp.pad(cache.mask, ((0, 0), (0, extra))))
+
+
+def _check_prompts(ids: np.ndarray, mask: np.ndarray, vocab: int) -> None:
+    if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"prompt_ids {ids.shape} and prompt_mask {mask.shape} must both be [P, Tp]")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"prompt_ids must be integer token ids, got dtype {ids.dtype}")
+    empty = np.flatnonzero(~mask.any(axis=1))
+    if empty.size:
+        raise ValueError(f"prompts {empty.tolist()} have no tokens (all-False mask rows); drop them")
+    if np.any(mask[:, :-1] & ~mask[:, 1:]):
+        raise ValueError("prompts must be left-padded: once a row's mask is True it must stay True "
+                         "(use tokenization.encode_prompts, or a tokenizer with padding_side='left')")
+    real = ids[mask]
+    if real.size and (real.min() < 0 or real.max() >= vocab):
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got range [{real.min()}, {real.max()}]")
+
+
+def _policy_stop_ids(policy) -> tuple[int, ...]:
+    """Stop ids of a policy: generation_config's eos ids plus the tokenizer's eos."""
+    ids = set()
+    eos = policy.generation_config.get("eos_token_id", policy.config.eos_token_id)
+    ids.update([eos] if isinstance(eos, int) else (eos or ()))
+    if policy.tokenizer.eos_token_id is not None:
+        ids.add(policy.tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the policy has no stop token (no eos_token_id in generation_config.json/config.json "
+                         "and no tokenizer eos); pass stop_ids explicitly")
+    return tuple(sorted(ids))
