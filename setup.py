@@ -35,7 +35,10 @@ EXTRAS = {
         "torch==2.13.0",
         "gguf>=0.10",
         "accelerate>=1.0",
+        "datasets>=3.0",
     ],
+    # Hugging Face hub datasets as a training source (`hf:<name>[:split]`).
+    "hf": ["datasets>=3.0"],
     "gpu": ["jax[cuda13]>=0.10.2,<0.13"],
     "tpu": ["jax[tpu]>=0.10.2,<0.13"],
 }

@@ -191,13 +191,13 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collect
     config.data.eval_path = "arithmetic:test"
     config.mesh.data = 1
     if variant == "tiny":
-        config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=16, max_prompt_len=128)
+        config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=16, max_prompt_len=384)
         config.grpo.micro_batch_size = 4
         config.optim.learning_rate = 1e-3
         config.train.update(max_steps=3, eval_every=2, eval_max_new_tokens=16, eval_batch_prompts=8, save_every=2)
         config.data.max_eval_samples = 8
     else:
-        config.rollout.update(prompts_per_step=8, num_generations=8, max_new_tokens=48, max_prompt_len=128)
+        config.rollout.update(prompts_per_step=8, num_generations=8, max_new_tokens=48, max_prompt_len=384)
         config.grpo.micro_batch_size = 16
         config.optim.learning_rate = 3e-4
         config.train.update(max_steps=40, eval_every=10, eval_max_new_tokens=48, eval_batch_prompts=128, save_every=20)

@@ -70,7 +70,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     stream = PromptStream(train_problems, config.rollout.prompts_per_step, config.data_seed)
     total_steps = config.train.max_steps
     cohort = Cohort(config, load_agents(config, total_steps))
-    checkpointer = Checkpointer(workdir, keep_last=config.train.keep_last)
+    # Synchronous saves: the next update donates the parameter buffers that a pending async save would still read.
+    checkpointer = Checkpointer(workdir, keep_last=config.train.keep_last, async_save=False)
     history = EvalHistory({})
     nonfinite = {a.name: 0 for a in cohort.agents}
     start = 0

@@ -1,0 +1,179 @@
+"""End-to-end training: every config's `:tiny` variant, the CLI, resume after SIGKILL, and bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from corl_jax import grpo
+from corl_jax.checkpointing import Checkpointer
+from corl_jax.config import validate
+from corl_jax.loop import train
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = ["ring3", "pair_same_family", "pair_different_family", "different_family_plus", "ttrl", "gt_reward",
+           "rent", "intuitor"]
+
+
+@pytest.fixture(autouse=True)
+def _zoo_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "zoo_cache"))
+
+
+def load_config(name: str, variant: str = "tiny"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
+
+
+def final_state(workdir) -> dict:
+    with Checkpointer(str(workdir)) as c:
+        return c.restore(c.latest_step()).state
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_tiny_variant_runs_end_to_end(name, tmp_path):
+    config = load_config(name)
+    validate(config)
+    summary = train(config, str(tmp_path))
+    steps = config.train.max_steps
+    assert summary["steps"] == steps
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert set(on_disk["agents"]) == set(config.agents.keys())
+    for s in on_disk["agents"].values():
+        assert 0.0 <= s["initial_accuracy"] <= 1.0 and s["best_step"] in (0, 2, 3)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_steps = sorted({row["step"] for row in lines if any(k.endswith("/loss") for k in row)})
+    assert train_steps == list(range(1, steps + 1))
+    row = next(r for r in lines if r["step"] == 1 and any(k.endswith("/loss") for k in r))
+    agent = next(iter(config.agents.keys()))
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                "completions/clipped_ratio", "entropy", "clip_ratio/region_mean", "grad_norm", "learning_rate",
+                "time/sampling", "time/answers_and_vote", "time/update"):
+        assert f"{agent}/{key}" in row, key
+    if config.method == "co_rl":
+        assert f"{agent}/co_labeling/labeled_fraction_me" in row
+        records = (tmp_path / "records.jsonl").read_text().splitlines()
+        assert len(records) == steps * config.rollout.prompts_per_step * len(config.agents)
+    assert (tmp_path / "tensorboard").is_dir() and any((tmp_path / "tensorboard").iterdir())
+    assert Checkpointer(str(tmp_path)).latest_step() == steps
+
+
+def test_parameters_change_and_stay_finite(tmp_path):
+    config = load_config("pair_different_family")
+    config.optim.learning_rate = 1e-2
+    config.optim.warmup_ratio = 0.0
+    train(config, str(tmp_path / "run"))
+    from corl_jax.cohort import load_agents
+
+    initial = {a.name: a.params for a in load_agents(config, config.train.max_steps)}
+    final = final_state(tmp_path / "run")
+    for name, params in initial.items():
+        diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                                             params, final[name]["params"]))
+        assert max(diffs) > 0, f"agent {name} did not move"
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final[name]["params"]))
+
+
+def _cli(workdir, *overrides, **kwargs):
+    cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}",
+           *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ), **kwargs)
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+    steps = ("--config.train.max_steps=5", "--config.train.save_every=1", "--config.train.eval_every=100",
+             "--config.train.eval_on_start=False")
+    reference = _cli(tmp_path / "straight", *steps)
+    out, _ = reference.communicate(timeout=900)
+    assert reference.returncode == 0, out
+
+    interrupted = _cli(tmp_path / "killed", *steps)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 600
+    while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        assert interrupted.poll() is None and time.time() < deadline, interrupted.communicate()[0]
+        time.sleep(0.2)
+    time.sleep(random.Random(0).uniform(0.0, 3.0))  # somewhere inside a later step or save
+    interrupted.send_signal(signal.SIGKILL)
+    interrupted.wait()
+    resumed = _cli(tmp_path / "killed", *steps)
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out
+
+    a, b = final_state(tmp_path / "straight"), final_state(tmp_path / "killed")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows) == [1, 2, 3, 4, 5]
+
+
+def test_unknown_config_key_is_named(tmp_path):
+    proc = _cli(tmp_path, "--config.rollout.num_generationz=4")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "num_generationz" in out and "num_generations" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(num_generations=1), "rollout.num_generations"),
+    (dict(prompts_per_step=0), "rollout.prompts_per_step"),
+])
+def test_bad_rollout_settings(override, message):
+    config = load_config("ring3")
+    config.rollout.update(override)
+    with pytest.raises(ValueError, match=message):
+        validate(config)
+
+
+def test_co_rl_needs_two_agents():
+    config = load_config("ring3")
+    for name in list(config.agents.keys())[1:]:
+        del config.agents[name]
+    with pytest.raises(ValueError, match="at least 2 agents"):
+        validate(config)
+
+
+def test_rows_lacking_fields_are_named(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n" + json.dumps({"answer": "3"}) + "\n")
+    config = load_config("ring3")
+    config.data.train_path = str(data)
+    config.data.holdout_size = 0
+    with pytest.raises(ValueError, match=r"row 1"):
+        train(config, str(tmp_path / "run"))
+
+
+def test_nonfinite_updates_are_skipped_then_abort(tmp_path, monkeypatch):
+    real = grpo.grpo_loss
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * np.float32("nan"), metrics
+
+    monkeypatch.setattr(grpo, "grpo_loss", poisoned)
+    config = load_config("pair_same_family")
+    config.grpo.eps_low = 0.19  # a fresh compilation that traces the poisoned loss
+    config.train.update(max_nonfinite_updates=1, save_every=1, eval_on_start=False, eval_every=100)
+    with pytest.raises(FloatingPointError, match="max_nonfinite_updates"):
+        train(config, str(tmp_path))
+    from corl_jax.cohort import load_agents
+
+    initial = {a.name: a.params for a in load_agents(config, config.train.max_steps)}
+    saved = final_state(tmp_path)  # the step-1 checkpoint survives the abort
+    for name, params in initial.items():
+        for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(saved[name]["params"])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
