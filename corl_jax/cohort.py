@@ -24,13 +24,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from corl_jax import grpo, sampling, voting
+from corl_jax import grpo, voting
 from corl_jax.answers import math as math_answers
 from corl_jax.config import topology_of
 from corl_jax.data import PromptBlock
 from corl_jax.models import Policy, from_pretrained, positions_from_mask
 from corl_jax.models.sharding import batch_sharding, make_mesh
 from corl_jax.optim import make_optimizer, make_schedule
+from corl_jax.sampling.controls import SamplingParams
+from corl_jax.sampling.engine import Completions, Sampler
 from corl_jax.tokenization import decode_completions, encode_prompts, stop_token_ids
 from corl_jax.zoo import resolve_model_path
 
@@ -64,7 +66,7 @@ class Agent:
     schedule: optax.Schedule        # learning rate of the n-th optimiser update (for logging)
     text_field: str
     chat_template: str | None
-    stop_ids: tuple[int, ...]
+    sampler: Sampler
     key: jax.Array                  # base PRNG key: seed + agent index; each step folds in the step number
     ref_params: Any = None          # frozen initial weights, only when beta > 0
 
@@ -75,12 +77,12 @@ class Agent:
     def step_key(self, step: int, purpose: int) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(self.key, step), purpose)
 
-    def encode(self, texts: list[str], max_prompt_len: int) -> tuple[jax.Array, jax.Array]:
-        ids, mask = encode_prompts(self.policy.tokenizer, texts, max_prompt_len=max_prompt_len,
-                                   chat_template=self.chat_template)
-        return self._put(ids), self._put(mask)
+    def encode(self, texts: list[str], max_prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+        return encode_prompts(self.policy.tokenizer, texts, max_prompt_len=max_prompt_len,
+                              chat_template=self.chat_template)
 
-    def _put(self, x: np.ndarray) -> jax.Array:
+    def put(self, x) -> jax.Array:
+        """`x` on the agent's devices, batch-sharded."""
         if self.mesh is None:
             return jnp.asarray(x)
         return jax.device_put(x, batch_sharding(x.shape, self.mesh, self.policy.rules))
@@ -106,7 +108,8 @@ def load_agents(config: ml_collections.ConfigDict, total_steps: int) -> list[Age
             opt_state=jax.jit(optimizer.init)(params), optimizer=optimizer,
             schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
             text_field=spec.text_field,
-            chat_template=spec.chat_template or None, stop_ids=stop_token_ids(policy.tokenizer, path),
+            chat_template=spec.chat_template or None,
+            sampler=Sampler.from_policy(policy, stop_ids=stop_token_ids(policy.tokenizer, path)),
             key=jax.random.key(config.seed + index),
             ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None))
     return agents
@@ -194,9 +197,9 @@ def update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings):
 class Rollouts:
     """One agent's completions of a prompt block (device arrays until fetched)."""
 
-    prompt_ids: jax.Array      # [P, Tp]
-    prompt_mask: jax.Array     # [P, Tp]
-    completions: Any           # sampling output: tokens / mask / logprobs / lengths / truncated, [P*G, ...]
+    prompt_ids: np.ndarray     # [P, Tp]
+    prompt_mask: np.ndarray    # [P, Tp]
+    completions: Completions   # [P*G, ...]
     texts: list[str] | None = None
 
 
@@ -220,10 +223,11 @@ class Cohort:
         """Dispatch one agent's sampling (asynchronous: no host transfer here)."""
         r = self.config.rollout
         ids, mask = agent.encode(texts, r.max_prompt_len)
-        params = sampling.SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-                                         greedy=temperature == 0)
-        out = sampling.generate(agent.policy, agent.params, ids, mask, key=key, num_samples=num_samples,
-                                max_new_tokens=max_new_tokens, params=params, stop_ids=agent.stop_ids)
+        params = SamplingParams(temperature=temperature if temperature > 0 else 1.0, top_p=r.top_p, top_k=r.top_k,
+                                min_p=r.min_p, greedy=temperature == 0)
+        nnx.update(agent.policy.model, agent.params)  # the sampler reads the model's current weights
+        out = agent.sampler.generate(ids, mask, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                     params=params, key=key)
         return Rollouts(ids, mask, out)
 
     def finish(self, agent: Agent, rollouts: Rollouts) -> Rollouts:
@@ -264,12 +268,12 @@ class Cohort:
             m["time/update"] = update_time
         return metrics, records
 
-    def _batch(self, rollouts: Rollouts) -> dict[str, jax.Array]:
+    def _batch(self, agent: Agent, rollouts: Rollouts) -> dict[str, jax.Array]:
         """Prompt (repeated G times) + completion token rows, attention and loss masks."""
         g = self.config.rollout.num_generations
         c = rollouts.completions
-        prompt_ids = jnp.repeat(rollouts.prompt_ids, g, axis=0)
-        prompt_mask = jnp.repeat(rollouts.prompt_mask, g, axis=0)
+        prompt_ids = agent.put(np.repeat(rollouts.prompt_ids, g, axis=0))
+        prompt_mask = agent.put(np.repeat(rollouts.prompt_mask, g, axis=0))
         loss_mask = c.mask
         if self.config.grpo.mask_truncated_completions:
             loss_mask = loss_mask & ~c.truncated[:, None]
@@ -282,7 +286,7 @@ class Cohort:
         kind = "entropy" if self.config.method == "rent" else "self_certainty"
         out = []
         for agent, ro in zip(self.agents, rollouts):
-            b = self._batch(ro)
+            b = self._batch(agent, ro)
             prompt_len = b["tokens"].shape[1] - b["completion_mask"].shape[1]
             _, entropy, mean_logp = score_completions(agent.graphdef, agent.params, b["tokens"], b["attention"],
                                                       prompt_len, self.settings)
@@ -295,7 +299,7 @@ class Cohort:
         """Advantages, then `num_iterations` optimiser steps of one agent on its rollouts (rows shuffled into
         micro-batches as the reference does)."""
         g, r = self.config.grpo, self.config.rollout
-        batch = self._batch(rollouts)
+        batch = self._batch(agent, rollouts)
         rewards = jnp.asarray(rewards, jnp.float32)
         batch["advantages"] = grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards)
         order = jax.random.permutation(agent.step_key(step, 1), rewards.shape[0])
