@@ -335,3 +335,35 @@ def test_bad_prompts_are_rejected(ids, mask, message, checkpoint):
     sampler = sampler_for(checkpoint("qwen2"))
     with pytest.raises(ValueError, match=message):
         sampler.generate(ids, mask, num_samples=1, max_new_tokens=4, params=SamplingParams(), key=jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct, real chat prompts, and the text helper.
+# ----------------------------------------------------------------------------------------------
+
+from corl_jax import tokenization  # noqa: E402
+from corl_jax.models import smollm2  # noqa: E402
+from corl_jax.sampling.text import generate_texts  # noqa: E402
+
+PROBLEMS = [  # MATH-500 problems (test set, as bundled by the reference)
+    "What is the value of $513^2 - 487^2$?",
+    "Simplify $\\sqrt{242}$.",
+    "How many positive whole-number divisors does 196 have?",
+]
+
+
+def test_smollm2_greedy_equals_transformers_on_chat_prompts():
+    directory = smollm2.smollm2_hf_dir()
+    policy = models.from_pretrained(directory, dtype=jnp.float32)
+    stop_ids = tokenization.stop_token_ids(policy.tokenizer, directory)
+    sampler = Sampler.from_policy(policy, stop_ids=stop_ids, buckets=Buckets(prompt=16, new_tokens=48, kv_block=16))
+    texts, out = generate_texts(sampler, policy.tokenizer, PROBLEMS, num_samples=1, max_new_tokens=40,
+                                params=SamplingParams(greedy=True), key=jax.random.key(0))
+    ids, mask = tokenization.encode_prompts(policy.tokenizer, PROBLEMS, bucket=16)
+    assert len(set(mask.sum(1).tolist())) == 3, "the batch should mix prompt lengths"
+    want = hf_greedy(directory, ids, mask, 40, stop_ids=stop_ids, pad_id=policy.tokenizer.pad_token_id)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    assert np.asarray(out.lengths).min() >= 32, "at least 32 new tokens are compared in every row"
+    assert texts == [[t] for t in policy.tokenizer.batch_decode(
+        [row[keep].tolist() for row, keep in zip(want, np.asarray(out.mask))], skip_special_tokens=True)]
+    assert all(t[0].strip() for t in texts)

@@ -116,8 +116,8 @@ class Sampler:
         self.mesh = mesh
         self.rules = rules
         self.buckets = buckets
-        self._programs: dict[Any, Any] = {}
-        self.compile_seconds: dict[Any, float] = {}
+        self.programs: dict[Any, Any] = {}  # (graphdef, bucket) -> compiled program
+        self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
     @classmethod
     def from_policy(cls, policy, *, stop_ids: Sequence[int] | None = None, buckets: Buckets = Buckets()) -> "Sampler":
@@ -155,7 +155,7 @@ class Sampler:
         bucket = dict(prompts=ids.shape[0], samples=num_samples, prompt_width=ids.shape[1], new_tokens=new_bucket,
                       kv_block=self.buckets.kv_block, params=params)
         cache_key = (graphdef, tuple(bucket.items()))
-        program = self._programs.get(cache_key)
+        program = self.programs.get(cache_key)
         if program is None:
             log.info("sampler: compiling a program for bucket %s", bucket)
             start = time.perf_counter()
@@ -166,7 +166,7 @@ class Sampler:
             program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, **static).compile()
             seconds = time.perf_counter() - start
             log.info("sampler: compiled bucket %s in %.1f s", bucket, seconds)
-            self._programs[cache_key] = program
+            self.programs[cache_key] = program
             self.compile_seconds[tuple(bucket.items())] = seconds
         return program
 
@@ -234,11 +234,16 @@ class _Carry:
 
 
 def _grow(cache: KVCache, max_len: int) -> KVCache:
-    """The same cache with `max_len` slots (new slots empty); `index` is unchanged."""
+    """The same cache with `max_len` slots (new slots empty, `index` unchanged); the slot axis of
+    each field is found by its logical name, so this follows the decoder's cache layout."""
     extra = max_len - cache.max_len
-    kv_pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
-    return cache.replace(k=jnp.pad(cache.k, kv_pad), v=jnp.pad(cache.v, kv_pad),
-                         mask=jnp.pad(cache.mask, ((0, 0), (0, extra))))
+
+    def pad(x, axes):
+        widths = [(0, extra if name == "cache_seq" else 0) for name in axes]
+        return jnp.pad(x, widths)
+
+    axes = type(cache).logical_axes()
+    return cache.replace(k=pad(cache.k, axes.k), v=pad(cache.v, axes.v), mask=pad(cache.mask, axes.mask))
 
 
 def _check_prompts(ids: np.ndarray, mask: np.ndarray, vocab: int) -> None:

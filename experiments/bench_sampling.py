@@ -1,0 +1,280 @@
+"""Sampler throughput on one GPU against the HBM roofline and the transformers `generate` peer.
+
+Random bf16 weights at the shapes of Qwen2.5-1.5B, Llama-3.2-1B and Qwen3-0.6B (configs built
+directly: no download); P prompts x G samples, prompt length Tp, forced length (no stop ids).
+
+Roofline (as ../shared/bench/hf_generate_bench.py): one decode step must read every weight once
+plus the KV cache of every row; with the average context Tp + T/2,
+  step_bytes = 2 * n_params + B * (Tp + T/2) * kv_bytes_per_token,   roofline tok/s = B / (step_bytes / 4.3e12).
+
+Usage (GPU; each part prints a table and writes one JSON):
+  python experiments/bench_sampling.py --out experiments/results/bench_sampling.json
+  python experiments/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --kv-blocks 128,0 --hf-peer none \
+      --profile-steps 24 --dump-dir /tmp/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+HBM_BYTES_PER_S = 4.3e12
+# HF config kwargs of each shape (same as ../shared/bench/hf_generate_bench.py).
+SHAPES = {
+    "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                                   tie_word_embeddings=True)),
+    "llama3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                                  max_position_embeddings=131072)),
+    "qwen3-0.6b": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                                 max_position_embeddings=40960)),
+    # for a quick check of this script on a CPU
+    "tiny": ("qwen3", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+}
+
+
+def roofline(n_params, config, batch, prompt_len, new_tokens):
+    kv_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2  # bf16 K and V
+    step_bytes = 2 * n_params + batch * (prompt_len + new_tokens / 2) * kv_per_token
+    return batch / (step_bytes / HBM_BYTES_PER_S)
+
+
+# ------------------------------------------------------------------------------------------ ours
+
+def bench_ours(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from corl_jax.models import Decoder, ModelConfig
+    from corl_jax.sampling import Buckets, Sampler, SamplingParams
+
+    rows = []
+    for name in args.models:
+        family, hf = SHAPES[name]
+        config = ModelConfig.from_hf_dict({"model_type": family, **hf}, param_dtype=jnp.bfloat16)
+        model = Decoder(config, rngs=nnx.Rngs(0))
+        n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        ids = np.asarray(jax.random.randint(jax.random.key(1), (args.prompts, args.prompt_len), 100,
+                                                    min(1000, config.vocab_size)), np.int32)
+        mask = np.ones_like(ids, bool)
+        params = SamplingParams(temperature=1.0)
+        for new_tokens in args.new_tokens:
+            for kv_block in args.kv_blocks:
+                sampler = Sampler(model, stop_ids=(), buckets=Buckets(prompt=64, new_tokens=256, kv_block=kv_block))
+                run = lambda n, seed: jax.block_until_ready(sampler.generate(  # noqa: E731
+                    ids, mask, num_samples=args.samples, max_new_tokens=n, params=params, key=jax.random.key(seed)))
+                run(new_tokens, 0)  # compiles
+                compile_s = sum(sampler.compile_seconds.values())
+                times = []
+                for rep in range(args.repeats):
+                    start = time.perf_counter()
+                    out = run(new_tokens, rep + 1)
+                    times.append(time.perf_counter() - start)
+                assert out.tokens.shape == (args.prompts * args.samples, new_tokens) and bool(out.mask.all())
+                seconds = min(times)
+                batch = args.prompts * args.samples
+                tps = batch * new_tokens / seconds
+                roof = roofline(n_params, config, batch, args.prompt_len, new_tokens)
+                stats = jax.devices()[0].memory_stats() or {}
+                row = dict(impl="corl_jax", model=name, batch=batch, prompt=args.prompt_len, new=new_tokens,
+                           kv_block=kv_block, params=n_params, compile_s=round(compile_s, 1),
+                           seconds=round(seconds, 3), all_seconds=[round(t, 3) for t in times],
+                           tokens_per_s=round(tps), ms_per_step=round(1e3 * seconds / new_tokens, 3),
+                           roofline_tokens_per_s=round(roof), frac_of_roofline=round(tps / roof, 4),
+                           peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2))
+                print(row, flush=True)
+                rows.append(row)
+                if args.dump_dir and kv_block == args.kv_blocks[0]:
+                    dump_program_and_profile(args, sampler, run, name, new_tokens)
+        del model
+    return rows
+
+
+def dump_program_and_profile(args, sampler, run, name, new_tokens):
+    """Optimised HLO of the program, and a kernel-time profile of a short generation (op by op)."""
+    import jax
+
+    out = Path(args.dump_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    program = next(iter(sampler.programs.values()))
+    with gzip.open(out / f"{name}_hlo.txt.gz", "wt") as f:
+        f.write(program.as_text())
+    if not args.profile_steps:
+        return
+    trace_dir = out / "trace_tmp"
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        run(args.profile_steps, 99)
+    trace = next(trace_dir.rglob("perfetto_trace.json.gz"))
+    summary = kernel_summary(json.load(gzip.open(trace)))
+    summary.update(model=name, steps=args.profile_steps)
+    (out / f"{name}_kernels.json").write_text(json.dumps(summary, indent=1))
+    print(f"profile of {args.profile_steps} steps, {name}: GPU busy {summary['gpu_busy_ms']:.1f} ms "
+          f"over {summary['wall_ms']:.1f} ms")
+    for k in summary["top"][:25]:
+        print(f"  {k['ms']:9.2f} ms  x{k['count']:6d}  {k['name'][:110]}")
+
+
+def kernel_summary(trace):
+    events = trace["traceEvents"]
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    by_name = defaultdict(lambda: [0.0, 0, None])
+    for e in kernels:
+        entry = by_name[e["name"]]
+        entry[0] += e.get("dur", 0.0)
+        entry[1] += 1
+        entry[2] = entry[2] or e.get("args")
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    start = min((e["ts"] for e in kernels), default=0.0)
+    end = max((e["ts"] + e.get("dur", 0.0) for e in kernels), default=0.0)
+    return dict(gpu_busy_ms=sum(v[0] for v in by_name.values()) / 1e3, wall_ms=(end - start) / 1e3,
+                top=[dict(name=k, ms=v[0] / 1e3, count=v[1], args=v[2]) for k, v in top[:80]])
+
+
+# ------------------------------------------------------------------------------------------ peer
+
+def bench_hf(args):
+    """transformers `generate` (sdpa, bf16, sampling at temperature 1, forced length) at the same shapes."""
+    import torch
+    import transformers
+
+    rows = []
+    for name in args.models:
+        family, hf = SHAPES[name]
+        config = transformers.AutoConfig.for_model(family, **hf)
+        torch.manual_seed(0)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                                  attn_implementation="sdpa")
+        model.eval()
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        n_params = sum(p.numel() for p in model.parameters())
+        batch = args.prompts * args.samples
+        ids = torch.randint(100, min(1000, config.vocab_size), (batch, args.prompt_len), device=device)
+        mask = torch.ones_like(ids)
+        for new_tokens in args.hf_new_tokens:
+            kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0,
+                      top_p=1.0, top_k=0, pad_token_id=0)
+            with torch.no_grad():
+                model.generate(ids[:, :32], attention_mask=mask[:, :32], **{**kw, "max_new_tokens": 8,
+                                                                             "min_new_tokens": 8})
+                sync()
+                start = time.perf_counter()
+                out = model.generate(ids, attention_mask=mask, **kw)
+                sync()
+                seconds = time.perf_counter() - start
+            tps = (out.shape[1] - args.prompt_len) * batch / seconds
+            ours_config = _our_config(name)
+            roof = roofline(n_params, ours_config, batch, args.prompt_len, new_tokens)
+            row = dict(impl="transformers.generate", model=name, batch=batch, prompt=args.prompt_len, new=new_tokens,
+                       params=n_params, seconds=round(seconds, 2), tokens_per_s=round(tps),
+                       roofline_tokens_per_s=round(roof), frac_of_roofline=round(tps / roof, 4))
+            print(row, flush=True)
+            rows.append(row)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _our_config(name):
+    from corl_jax.models import ModelConfig
+
+    family, hf = SHAPES[name]
+    return ModelConfig.from_hf_dict({"model_type": family, **hf})
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def versions():
+    out = {"python": platform.python_version()}
+    for module in ("jax", "jaxlib", "flax", "torch", "transformers"):
+        try:
+            out[module] = __import__(module).__version__
+        except ImportError:
+            out[module] = None
+    return out
+
+
+def device_name():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(SHAPES))
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=ints, default=[512, 1024])
+    p.add_argument("--kv-blocks", type=ints, default=[128], help="attention segment widths to compare (0 = none)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--hf-peer", choices=["run", "none", "only"], default="run",
+                   help="run the transformers peer in a subprocess first (none: skip; only: this process is it)")
+    p.add_argument("--hf-new-tokens", type=ints, default=[512])
+    p.add_argument("--profile-steps", type=int, default=0)
+    p.add_argument("--dump-dir", default=None, help="write optimised HLO and a kernel profile here")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
+    if args.hf_peer == "only":
+        print("HF_ROWS=" + json.dumps(bench_hf(args)))
+        return
+    peer = []
+    if args.hf_peer == "run":  # before JAX takes the GPU
+        command = [sys.executable, __file__, *sys.argv[1:], "--hf-peer", "only"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        sys.stderr.write(result.stderr[-3000:])
+        print(result.stdout)
+        lines = [line for line in result.stdout.splitlines() if line.startswith("HF_ROWS=")]
+        peer = json.loads(lines[-1][len("HF_ROWS="):]) if lines else []
+    ours = bench_ours(args)
+    ratios = []
+    for row in ours:
+        match = [p for p in peer if p["model"] == row["model"] and p["new"] == row["new"]]
+        if match:
+            ratios.append(dict(model=row["model"], new=row["new"], kv_block=row["kv_block"],
+                               speedup_vs_hf=round(row["tokens_per_s"] / match[0]["tokens_per_s"], 1)))
+    report = dict(command=" ".join([Path(sys.executable).name, *sys.argv]), device=device_name(), versions=versions(),
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), hbm_bytes_per_s=HBM_BYTES_PER_S,
+                  settings=dict(prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len,
+                                temperature=1.0, stop_ids="none (forced length)"),
+                  corl_jax=ours, transformers_generate=peer, speedups=ratios)
+    print(f"{'impl':22s} {'model':14s} {'new':>5s} {'kvb':>4s} {'tok/s':>8s} {'ms/step':>8s} {'roof%':>6s} "
+          f"{'compile':>8s} {'peakGiB':>8s}")
+    for r in ours + peer:
+        print(f"{r['impl']:22s} {r['model']:14s} {r['new']:5d} {r.get('kv_block', ''):>4} {r['tokens_per_s']:8d} "
+              f"{r.get('ms_per_step', 0):8.2f} {100 * r['frac_of_roofline']:6.1f} {r.get('compile_s', 0):8.1f} "
+              f"{r.get('peak_gib', 0):8.2f}")
+    for r in ratios:
+        print(f"speedup vs transformers: {r}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
