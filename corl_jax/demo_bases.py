@@ -1,0 +1,210 @@
+"""Warm-started tiny bases of the arithmetic world: the `demo:<family>` checkpoints (issue 6).
+
+Each family gets its own architecture, size, tokenizer and seed (`RECIPES`), and is made by a short supervised
+fine-tuning (SFT) of a random init on the `sft` split of `corl_jax.arithmetic`: the chat prompt exactly as RL will
+present it (`chat_prompt(tokenizer, problem.text)`), then the worked solution and the EOS token, with the loss on
+the solution tokens only. The result is an ordinary HF checkpoint directory, built once into
+`<cache_root()>/zoo/demo-<family>` and loaded by `from_pretrained` like any real model; `demo_base.json` in it
+records the recipe, the SFT loss curve and the build time.
+
+`python -m corl_jax.demo_bases` builds all three and prints each base's held-out accuracy and the Cohen's kappa of
+their per-problem correctness (their error overlap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from corl_jax import arithmetic, zoo
+from corl_jax.optim import make_optimizer
+from corl_jax.tokenization import bucket_length, build_prompt_text, chat_prompt
+
+RECORD_FILE = "demo_base.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How one family's base is made.
+
+    architecture: HF config.json fields overriding `zoo.TINY_ARCHITECTURES[family]`.
+    tokenizer: "char" (one token per byte) or "bpe" (trained on the SFT corpus up to `vocab_size` tokens).
+    num_examples / levels: how many `sft` problems, of which levels, drawn with `seed`.
+    steps, batch_size, learning_rate: the AdamW run (HF cosine schedule with 3% warmup, clip 1.0).
+    seed: problems, initialisation and batch order.
+    """
+
+    architecture: dict
+    tokenizer: str
+    vocab_size: int = 512
+    num_examples: int = 2000
+    levels: tuple[int, ...] = arithmetic.LEVELS
+    steps: int = 300
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+
+RECIPES = {
+    "qwen2": Recipe(architecture=dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2),
+                    tokenizer="char", seed=1),
+    "llama": Recipe(architecture=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1),
+                    tokenizer="bpe", vocab_size=384, seed=2),
+    "qwen3": Recipe(architecture=dict(hidden_size=80, intermediate_size=192, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+                    tokenizer="bpe", vocab_size=640, seed=3),
+}
+
+
+def demo_base_dir(family: str) -> Path:
+    """The cached checkpoint directory of `family`'s base, built (atomically) on first use."""
+    zoo._check_family(f"demo:{family}", family)
+    return zoo._build_once(zoo.cache_root() / "zoo" / f"demo-{family}", lambda d: build_demo_base(d, family))
+
+
+def build_all(families: Sequence[str] = zoo.FAMILIES) -> dict[str, Path]:
+    """Build (or find cached) the bases of `families`; returns family -> directory."""
+    return {family: demo_base_dir(family) for family in families}
+
+
+def build_demo_base(directory, family: str, **overrides) -> dict:
+    """Write `family`'s warm-started base to `directory` (recipe fields overridable, e.g. steps=5).
+
+    Returns the record also written to `<directory>/demo_base.json` (recipe, SFT losses, seconds)."""
+    from corl_jax.models import from_pretrained, save_pretrained
+
+    recipe = dataclasses.replace(RECIPES[family], **overrides)
+    start = time.time()
+    logging.info("demo:%s: building the base (%s tokenizer, %s) into %s", family, recipe.tokenizer,
+                 recipe.architecture, directory)
+    problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, levels=recipe.levels)
+    corpus = [text for p in problems for text in (build_prompt_text(p.text), p.rephrased, p.solution)]
+    zoo.build_random_checkpoint(directory, family, seed=recipe.seed, tokenizer_kind=recipe.tokenizer,
+                                corpus=corpus, vocab_size=recipe.vocab_size, **recipe.architecture)
+    policy = from_pretrained(directory, dtype=jnp.float32)
+    ids, loss_mask = sft_examples(policy.tokenizer, problems)
+    losses = train_sft(policy.model, ids, loss_mask, recipe, log_prefix=f"demo:{family}")
+    save_pretrained(policy, directory)
+    record = dict(family=family, recipe=dataclasses.asdict(recipe), num_tokens_per_example=float(ids.shape[1]),
+                  sft_losses=losses, build_seconds=round(time.time() - start, 1))
+    (Path(directory) / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    logging.info("demo:%s: SFT loss %.3f -> %.3f in %.0f s", family, losses[0], losses[-1], record["build_seconds"])
+    return record
+
+
+def sft_examples(tokenizer, problems) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded SFT rows: ids int32 [N, T] = chat prompt + solution + EOS (then padding), and the bool
+    loss mask [N, T] marking the solution and EOS tokens. The prompt is tokenized on its own, exactly as
+    sampling will see it; the solution continues from there."""
+    if any(p.solution is None for p in problems):
+        raise ValueError("SFT needs worked solutions: use problems of the arithmetic 'sft' split")
+    prompts = tokenizer([chat_prompt(tokenizer, p.text) for p in problems], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([p.solution for p in problems], add_special_tokens=False)["input_ids"]
+    rows = [(prompt, answer + [tokenizer.eos_token_id]) for prompt, answer in zip(prompts, answers)]
+    width = max(len(prompt) + len(answer) for prompt, answer in rows)
+    ids = np.full((len(rows), width), tokenizer.pad_token_id, np.int32)
+    loss_mask = np.zeros((len(rows), width), bool)
+    for i, (prompt, answer) in enumerate(rows):
+        ids[i, :len(prompt) + len(answer)] = prompt + answer
+        loss_mask[i, len(prompt):len(prompt) + len(answer)] = True
+    return ids, loss_mask
+
+
+def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *, log_prefix: str = "sft",
+              log_every: int = 25) -> list[float]:
+    """Fine-tune `model` in place on (ids, loss_mask) rows (see `sft_examples`); returns the loss of each step.
+
+    Batches are drawn with `recipe.seed` and cut to their longest row rounded up to 64 tokens, so a few
+    shapes compile and short batches cost less."""
+    optimizer = make_optimizer(recipe.learning_rate, recipe.steps, weight_decay=0.01)
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = optimizer.init(params)
+    lengths = loss_mask.shape[1] - np.argmax(loss_mask[:, ::-1], axis=1)  # one past each row's EOS
+
+    @jax.jit
+    def step(params, opt_state, batch_ids, batch_loss_mask):
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            mask = batch_ids >= 0  # right padding is causal-invisible to the real tokens: attend everywhere
+            positions = jnp.broadcast_to(jnp.arange(batch_ids.shape[1]), batch_ids.shape)
+            logits = model.logits(model(batch_ids[:, :-1], positions[:, :-1], mask[:, :-1]))
+            token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch_ids[:, 1:])
+            weights = batch_loss_mask[:, 1:]
+            return jnp.sum(token_loss * weights) / jnp.maximum(jnp.sum(weights), 1)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(recipe.seed)
+    losses = []
+    for i in range(recipe.steps):
+        rows = rng.choice(len(ids), size=min(recipe.batch_size, len(ids)), replace=False)
+        width = min(bucket_length(int(lengths[rows].max()), 64), ids.shape[1])
+        params, opt_state, loss = step(params, opt_state, ids[rows, :width], loss_mask[rows, :width])
+        losses.append(float(loss))
+        if i % log_every == 0 or i == recipe.steps - 1:
+            logging.info("%s: SFT step %d/%d loss %.3f", log_prefix, i + 1, recipe.steps, losses[-1])
+    nnx.update(model, params)
+    return losses
+
+
+def measure_accuracy(directory, problems, *, temperature: float = 0.6, max_new_tokens: int = 192, seed: int = 0,
+                     batch_prompts: int = 128) -> np.ndarray:
+    """Per-problem correctness (bool [N]) of the checkpoint at `directory`: one sample per problem at
+    `temperature` (0: greedy) with the sampling engine, graded against the gold answer like the in-loop eval."""
+    from corl_jax.answers.math import extract_answer, grade_answer
+    from corl_jax.models import from_pretrained
+    from corl_jax.sampling import Sampler, SamplingParams
+    from corl_jax.sampling.text import generate_texts
+
+    policy = from_pretrained(directory, dtype=jnp.float32)
+    sampler = Sampler.from_policy(policy)
+    params = SamplingParams(greedy=True) if temperature == 0 else SamplingParams(temperature=temperature)
+    correct = []
+    for start in range(0, len(problems), batch_prompts):
+        chunk = problems[start:start + batch_prompts]
+        texts, _ = generate_texts(sampler, policy.tokenizer, [p.text for p in chunk], num_samples=1,
+                                  max_new_tokens=max_new_tokens, params=params,
+                                  key=jax.random.fold_in(jax.random.key(seed), start))
+        correct += [grade_answer(extract_answer(t[0]), p.answer) for t, p in zip(texts, chunk)]
+    return np.array(correct, bool)
+
+
+def main(argv) -> None:
+    """Build the bases and print their test accuracy (T=0.6 and greedy) and the kappa of their correctness."""
+    from corl_jax.voting import cohens_kappa
+
+    del argv
+    test = arithmetic.generate("test")
+    correct = {}
+    for family, directory in build_all().items():
+        record = json.loads((directory / RECORD_FILE).read_text())
+        for temperature in (0.6, 0.0):
+            correct[family, temperature] = measure_accuracy(directory, test, temperature=temperature)
+        print(f"demo:{family}: built in {record['build_seconds']} s, SFT loss {record['sft_losses'][0]:.3f} -> "
+              f"{record['sft_losses'][-1]:.3f}; test accuracy T=0.6 {correct[family, 0.6].mean():.3f}, "
+              f"greedy {correct[family, 0.0].mean():.3f} ({len(test)} problems)", flush=True)
+    families = list(dict.fromkeys(family for family, _ in correct))
+    print("Cohen's kappa of per-problem correctness at T=0.6 (lower = more different errors):")
+    print("        " + "".join(f"{f:>8}" for f in families))
+    for a in families:
+        print(f"{a:>8}" + "".join(f"{cohens_kappa(correct[a, 0.6], correct[b, 0.6]):8.3f}" for b in families))
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    app.run(main)

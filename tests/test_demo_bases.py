@@ -1,0 +1,99 @@
+"""demo bases: reduced builds (a few SFT steps) of each family into a temporary cache.
+
+Checks that each is an HF checkpoint transformers loads with our logits, that the families' tokenizers
+differ, that SFT lowers the loss, that the SFT rows put the loss on the solution only, and that the build
+is cached and atomic. The full build (minutes) is not run here.
+"""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import corl_jax.models as models
+from corl_jax import arithmetic, demo_bases, zoo
+from corl_jax.tokenization import chat_prompt, encode_prompts
+from hf_tiny import hf_logits
+
+FAMILIES = zoo.FAMILIES
+REDUCED = dict(num_examples=64, steps=12, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A temporary CORL_JAX_CACHE with reduced recipes; yields family -> built directory."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CORL_JAX_CACHE", str(tmp_path_factory.mktemp("cache")))
+        for family in FAMILIES:
+            mp.setitem(demo_bases.RECIPES, family, dataclasses.replace(demo_bases.RECIPES[family], **REDUCED))
+        yield demo_bases.build_all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_loads_in_transformers_with_our_logits(cache, family):
+    directory = cache[family]
+    assert directory == zoo.cache_root() / "zoo" / f"demo-{family}"
+    assert zoo.resolve_model_path(f"demo:{family}") == str(directory)
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (directory / name).is_file(), name
+    policy = models.from_pretrained(directory, dtype=jnp.float32)
+    problems = arithmetic.generate("test", 2)
+    ids, mask = encode_prompts(policy.tokenizer, [p.text for p in problems], bucket=8)
+    ours = np.asarray(models.logits(policy, ids, mask))
+    theirs = hf_logits(directory, ids, mask)
+    assert np.abs(ours - theirs)[mask].max() <= 1e-4
+
+
+def test_families_differ_in_tokenizer_and_architecture(cache):
+    policies = {f: models.from_pretrained(d, dtype=jnp.float32) for f, d in cache.items()}
+    text = arithmetic.generate("test", 1)[0].text
+    prompts = {f: p.tokenizer(chat_prompt(p.tokenizer, text), add_special_tokens=False)["input_ids"]
+               for f, p in policies.items()}
+    assert len({len(p.tokenizer) for p in policies.values()}) == len(FAMILIES)
+    assert len({len(ids) for ids in prompts.values()}) == len(FAMILIES)
+    assert policies["qwen2"].tokenizer.decode(prompts["qwen2"]) == chat_prompt(policies["qwen2"].tokenizer, text)
+    assert len({(p.config.hidden_size, p.config.num_layers) for p in policies.values()}) == len(FAMILIES)
+    assert {f: p.config.model_type for f, p in policies.items()} == {"qwen2": "qwen2", "llama": "llama",
+                                                                     "qwen3": "qwen3"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_lowered_the_loss(cache, family):
+    record = json.loads((cache[family] / demo_bases.RECORD_FILE).read_text())
+    losses = record["sft_losses"]
+    assert len(losses) == REDUCED["steps"] and np.isfinite(losses).all()
+    assert np.mean(losses[-3:]) < losses[0] - 0.5
+
+
+def test_sft_rows_put_the_loss_on_solution_and_eos_only(cache):
+    policy = models.from_pretrained(cache["llama"], dtype=jnp.float32)
+    tokenizer = policy.tokenizer
+    problems = arithmetic.generate("sft", 3, seed=5)
+    ids, loss_mask = demo_bases.sft_examples(tokenizer, problems)
+    for row, keep, problem in zip(ids, loss_mask, problems):
+        answer = row[keep].tolist()
+        assert answer[-1] == tokenizer.eos_token_id
+        assert tokenizer.decode(answer[:-1]) == problem.solution
+        start = int(np.argmax(keep))
+        assert tokenizer.decode(row[:start].tolist()) == chat_prompt(tokenizer, problem.text)
+        assert not keep[start + len(answer):].any()
+    with pytest.raises(ValueError, match="worked solutions"):
+        demo_bases.sft_examples(tokenizer, arithmetic.generate("test", 1))
+
+
+def test_build_is_cached_and_atomic(cache, monkeypatch, tmp_path):
+
+    def fail(directory, family, **overrides):
+        (directory / "config.json").write_text("{}")  # a half-written checkpoint
+        raise RuntimeError("build interrupted")
+
+    monkeypatch.setattr(demo_bases, "build_demo_base", fail)
+    assert demo_bases.demo_base_dir("qwen3") == cache["qwen3"]  # cached: no rebuild
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        demo_bases.demo_base_dir("qwen3")
+    assert not any((zoo.cache_root() / "zoo").iterdir())  # no directory, complete or partial, was left
+    with pytest.raises(ValueError, match="unknown family"):
+        demo_bases.demo_base_dir("gpt2")
