@@ -90,29 +90,32 @@ class Agent:
 
 def load_agents(config: ml_collections.ConfigDict, total_steps: int) -> list[Agent]:
     """Load every agent of `config` onto its devices (whole mesh or its own slice), with a fresh optimiser."""
-    names = list(config.agents.keys())
-    meshes = _meshes(config, len(names))
+    meshes = _meshes(config, len(config.agents))
     agents = []
-    for index, name in enumerate(names):
-        spec = config.agents[name]
+    for index, (name, spec) in enumerate(config.agents.items()):
         path = resolve_model_path(spec.model_path)
         policy = from_pretrained(path, dtype=_DTYPES[spec.param_dtype], compute_dtype=_DTYPES[spec.compute_dtype],
                                  mesh=meshes[index], remat="full" if config.grpo.remat else "none")
-        graphdef, params = nnx.split(policy.model)
-        lr = spec.learning_rate if spec.learning_rate > 0 else config.optim.learning_rate
-        o, updates = config.optim, total_steps * config.grpo.num_iterations
-        optimizer = make_optimizer(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate, b1=o.b1,
-                                   b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
-        agents.append(Agent(
-            name=name, index=index, policy=policy, graphdef=graphdef, params=params,
-            opt_state=jax.jit(optimizer.init)(params), optimizer=optimizer,
-            schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
-            text_field=spec.text_field,
-            chat_template=spec.chat_template or None,
-            sampler=Sampler.from_policy(policy, stop_ids=stop_token_ids(policy.tokenizer, path)),
-            key=jax.random.key(config.seed + index),
-            ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None))
+        agents.append(make_agent(config, name, index, policy, stop_token_ids(policy.tokenizer, path), total_steps))
     return agents
+
+
+def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy: Policy, stop_ids,
+               total_steps: int) -> Agent:
+    """An agent around a loaded policy: optimiser and schedule per config.optim, sampler, PRNG stream."""
+    spec = config.agents[name]
+    graphdef, params = nnx.split(policy.model)
+    lr = spec.learning_rate if spec.learning_rate > 0 else config.optim.learning_rate
+    o, updates = config.optim, total_steps * config.grpo.num_iterations
+    optimizer = make_optimizer(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate, b1=o.b1,
+                               b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+    return Agent(
+        name=name, index=index, policy=policy, graphdef=graphdef, params=params,
+        opt_state=jax.jit(optimizer.init)(params), optimizer=optimizer,
+        schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
+        text_field=spec.text_field, chat_template=spec.chat_template or None,
+        sampler=Sampler.from_policy(policy, stop_ids=stop_ids), key=jax.random.key(config.seed + index),
+        ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None)
 
 
 def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:

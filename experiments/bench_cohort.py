@@ -1,0 +1,98 @@
+"""One full ring3 Co-RL step on one GPU (shared placement), with its time split.
+
+Three agents at real shapes with random weights (Qwen2.5-1.5B, Llama-3.2-1B, Qwen3-0.6B; fp32 master weights, bf16
+compute), 16 prompts x G=8 completions of up to `--max-new` tokens each (random weights never stop early, so every
+completion runs to the limit: the worst case), answers + votes + rewards on the host, then one GRPO update per agent.
+The first step compiles; the second is timed.
+
+    python experiments/bench_cohort.py --out experiments/results/bench_cohort.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from corl_jax import arithmetic
+from corl_jax.cohort import Cohort, make_agent
+from corl_jax.config import agent_config, base_config
+from corl_jax.data import PromptBlock
+from corl_jax.models import Decoder, ModelConfig, Policy
+from corl_jax.tokenization import build_tokenizer, load_tokenizer
+
+SHAPES = {
+    "qwen25": ("chatml", dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                              num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                              tie_word_embeddings=True, rope_theta=1e6)),
+    "llama32": ("llama3", dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                               tie_word_embeddings=True, rope_theta=5e5,
+                               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "qwen3": ("chatml", dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                             tie_word_embeddings=True, rope_theta=1e6)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="experiments/results/bench_cohort.json")
+    parser.add_argument("--max-new", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    args = parser.parse_args()
+
+    config = base_config()
+    config.rollout.update(prompts_per_step=16, num_generations=8, max_new_tokens=args.max_new, max_prompt_len=512)
+    config.grpo.micro_batch_size = args.micro_batch
+    workdir = Path(tempfile.mkdtemp())
+    agents = []
+    for index, (name, (style, hf)) in enumerate(SHAPES.items()):
+        config.agents[name] = agent_config(f"random:{name}", hf["model_type"])
+        build_tokenizer(workdir / name, "char", style=style)
+        tokenizer = load_tokenizer(workdir / name)
+        model_config = ModelConfig.from_hf_dict(hf, param_dtype=jnp.float32, dtype=jnp.bfloat16, remat="full")
+        policy = Policy(config=model_config, model=Decoder(model_config, rngs=nnx.Rngs(index)), tokenizer=tokenizer)
+        agents.append(make_agent(config, name, index, policy, (tokenizer.eos_token_id,), total_steps=10))
+    cohort = Cohort(config, agents)
+    problems = tuple(arithmetic.generate("rl", 16))  # the same block twice: step 2 reuses step 1's programs
+    steps = []
+    for step in (1, 2):
+        block = PromptBlock(step=step, epoch=0, problems=problems)
+        t0 = time.perf_counter()
+        metrics, _ = cohort.step(block, step)
+        wall = time.perf_counter() - t0
+        first = metrics[next(iter(metrics))]
+        steps.append(dict(step=step, wall_s=round(wall, 2),
+                          **{k: round(v, 2) for k, v in first.items() if k.startswith("time/")},
+                          completion_tokens=int(sum(m["completions/mean_length"] for m in metrics.values()) * 128),
+                          rewards={n: m["reward"] for n, m in metrics.items()}))
+        print(json.dumps(steps[-1]), flush=True)
+    timed = steps[-1]
+    import flax
+    import transformers
+
+    payload = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind), placement="shared",
+                   agents={n: s[1]["model_type"] for n, s in SHAPES.items()}, prompts=16, generations=8,
+                   max_new_tokens=args.max_new, micro_batch=args.micro_batch,
+                   versions=dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
+                                 transformers=transformers.__version__),
+                   steps=steps,
+                   generated_tokens_per_s=round(timed["completion_tokens"] / timed["time/sampling"]),
+                   split={k: round(timed[k] / timed["wall_s"], 3) for k in timed if k.startswith("time/")})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    print(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
