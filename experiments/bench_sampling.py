@@ -9,7 +9,7 @@ plus the KV cache of every row; with the average context Tp + T/2,
 
 Usage (GPU; each part prints a table and writes one JSON):
   python experiments/bench_sampling.py --out experiments/results/bench_sampling.json
-  python experiments/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --kv-blocks 128,0 --hf-peer none \
+  python experiments/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --variants seg128,full --hf-peer none \
       --profile-steps 24 --dump-dir /tmp/profile
 """
 
@@ -20,6 +20,7 @@ import gzip
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +42,18 @@ SHAPES = {
     # for a quick check of this script on a CPU
     "tiny": ("qwen3", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+}
+
+
+_DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION"
+# Sampler variants: name -> (attention segment width in steps (0: attend the whole cache), XLA options).
+VARIANTS = {
+    "seg128": (128, {}),
+    "full": (0, {}),
+    "seg128+graphs": (128, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL"}),
+    "seg128+graphs+dsf": (128, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL",
+                                "xla_gpu_enable_dynamic_slice_fusion": True}),
+    "seg64+graphs": (64, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL"}),
 }
 
 
@@ -72,11 +85,19 @@ def bench_ours(args):
         mask = np.ones_like(ids, bool)
         params = SamplingParams(temperature=1.0)
         for new_tokens in args.new_tokens:
-            for kv_block in args.kv_blocks:
-                sampler = Sampler(model, stop_ids=(), buckets=Buckets(prompt=64, new_tokens=256, kv_block=kv_block))
+            for variant in args.variants:
+                kv_block, options = VARIANTS[variant]
+                sampler = Sampler(model, stop_ids=(), buckets=Buckets(prompt=64, new_tokens=256, kv_block=kv_block),
+                                  compiler_options=options)
                 run = lambda n, seed: jax.block_until_ready(sampler.generate(  # noqa: E731
                     ids, mask, num_samples=args.samples, max_new_tokens=n, params=params, key=jax.random.key(seed)))
-                run(new_tokens, 0)  # compiles
+                try:
+                    run(new_tokens, 0)  # compiles
+                except Exception as e:  # keep measuring the other variants
+                    print(f"FAILED {name} {new_tokens} {variant}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                    rows.append(dict(impl="corl_jax", model=name, new=new_tokens, variant=variant,
+                                     error=f"{type(e).__name__}: {str(e)[:500]}"))
+                    continue
                 compile_s = sum(sampler.compile_seconds.values())
                 times = []
                 for rep in range(args.repeats):
@@ -89,15 +110,18 @@ def bench_ours(args):
                 tps = batch * new_tokens / seconds
                 roof = roofline(n_params, config, batch, args.prompt_len, new_tokens)
                 stats = jax.devices()[0].memory_stats() or {}
+                memory = next(iter(sampler.programs.values())).memory_analysis()
                 row = dict(impl="corl_jax", model=name, batch=batch, prompt=args.prompt_len, new=new_tokens,
-                           kv_block=kv_block, params=n_params, compile_s=round(compile_s, 1),
+                           variant=variant, params=n_params, compile_s=round(compile_s, 1),
                            seconds=round(seconds, 3), all_seconds=[round(t, 3) for t in times],
                            tokens_per_s=round(tps), ms_per_step=round(1e3 * seconds / new_tokens, 3),
                            roofline_tokens_per_s=round(roof), frac_of_roofline=round(tps / roof, 4),
-                           peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2))
+                           peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
+                           program_gib=round((memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                              + memory.temp_size_in_bytes) / 2**30, 2))
                 print(row, flush=True)
                 rows.append(row)
-                if args.dump_dir and kv_block == args.kv_blocks[0]:
+                if args.dump_dir and variant == args.variants[0]:
                     dump_program_and_profile(args, sampler, run, name, new_tokens)
         del model
     return rows
@@ -119,6 +143,7 @@ def dump_program_and_profile(args, sampler, run, name, new_tokens):
         run(args.profile_steps, 99)
     trace = next(trace_dir.rglob("perfetto_trace.json.gz"))
     summary = kernel_summary(json.load(gzip.open(trace)))
+    shutil.rmtree(trace_dir)
     summary.update(model=name, steps=args.profile_steps)
     (out / f"{name}_kernels.json").write_text(json.dumps(summary, indent=1))
     print(f"profile of {args.profile_steps} steps, {name}: GPU busy {summary['gpu_busy_ms']:.1f} ms "
@@ -143,6 +168,34 @@ def kernel_summary(trace):
     end = max((e["ts"] + e.get("dur", 0.0) for e in kernels), default=0.0)
     return dict(gpu_busy_ms=sum(v[0] for v in by_name.values()) / 1e3, wall_ms=(end - start) / 1e3,
                 top=[dict(name=k, ms=v[0] / 1e3, count=v[1], args=v[2]) for k, v in top[:80]])
+
+
+def bench_sampling_step(args):
+    """Time of `sample_tokens` alone on float32 logits [B, V] for several settings (median of 20 calls)."""
+    import jax
+    import jax.numpy as jnp
+
+    from corl_jax.sampling import SamplingParams, sample_tokens
+
+    batch, vocab = args.prompts * args.samples, 151936
+    logits = jax.random.normal(jax.random.key(0), (batch, vocab), jnp.float32) * 3
+    # "flat" logits overflow the top_p candidates (exact sort fallback); "peaked" ones (scale 12) do not
+    cases = [("flat", logits, p) for p in (SamplingParams(), SamplingParams(temperature=0.6, min_p=0.05),
+                                           SamplingParams(top_k=50), SamplingParams(top_p=0.95))]
+    cases.append(("peaked", logits * 4, SamplingParams(top_p=0.95)))
+    rows = []
+    for kind, logits, params in cases:
+        fn = jax.jit(sample_tokens, static_argnums=2)
+        jax.block_until_ready(fn(logits, jax.random.key(1), params))
+        times = []
+        for i in range(20):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(logits, jax.random.key(i), params))
+            times.append(time.perf_counter() - start)
+        row = dict(logits=kind, params=str(params), batch=batch, vocab=vocab, ms=round(1e3 * sorted(times)[10], 3))
+        print(row, flush=True)
+        rows.append(row)
+    return rows
 
 
 # ------------------------------------------------------------------------------------------ peer
@@ -227,13 +280,15 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=ints, default=[512, 1024])
-    p.add_argument("--kv-blocks", type=ints, default=[128], help="attention segment widths to compare (0 = none)")
+    p.add_argument("--variants", type=lambda s: s.split(","), default=["seg128"],
+                   help=f"sampler variants to compare, from {list(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--hf-peer", choices=["run", "none", "only"], default="run",
                    help="run the transformers peer in a subprocess first (none: skip; only: this process is it)")
     p.add_argument("--hf-new-tokens", type=ints, default=[512])
     p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--dump-dir", default=None, help="write optimised HLO and a kernel profile here")
+    p.add_argument("--sampling-step", action="store_true", help="also time sample_tokens alone")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -252,23 +307,28 @@ def main():
         lines = [line for line in result.stdout.splitlines() if line.startswith("HF_ROWS=")]
         peer = json.loads(lines[-1][len("HF_ROWS="):]) if lines else []
     ours = bench_ours(args)
+    sampling_step = bench_sampling_step(args) if args.sampling_step else []
     ratios = []
     for row in ours:
+        if "error" in row:
+            continue
         match = [p for p in peer if p["model"] == row["model"] and p["new"] == row["new"]]
         if match:
-            ratios.append(dict(model=row["model"], new=row["new"], kv_block=row["kv_block"],
+            ratios.append(dict(model=row["model"], new=row["new"], variant=row["variant"],
                                speedup_vs_hf=round(row["tokens_per_s"] / match[0]["tokens_per_s"], 1)))
     report = dict(command=" ".join([Path(sys.executable).name, *sys.argv]), device=device_name(), versions=versions(),
                   xla_flags=os.environ.get("XLA_FLAGS", ""), hbm_bytes_per_s=HBM_BYTES_PER_S,
                   settings=dict(prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len,
                                 temperature=1.0, stop_ids="none (forced length)"),
-                  corl_jax=ours, transformers_generate=peer, speedups=ratios)
-    print(f"{'impl':22s} {'model':14s} {'new':>5s} {'kvb':>4s} {'tok/s':>8s} {'ms/step':>8s} {'roof%':>6s} "
-          f"{'compile':>8s} {'peakGiB':>8s}")
+                  corl_jax=ours, transformers_generate=peer, sampling_step=sampling_step, speedups=ratios)
+    print(f"{'impl':22s} {'model':14s} {'new':>5s} {'variant':>18s} {'tok/s':>8s} {'ms/step':>8s} {'roof%':>6s} "
+          f"{'compile':>8s} {'progGiB':>8s}")
     for r in ours + peer:
-        print(f"{r['impl']:22s} {r['model']:14s} {r['new']:5d} {r.get('kv_block', ''):>4} {r['tokens_per_s']:8d} "
+        if "error" in r:
+            continue
+        print(f"{r['impl']:22s} {r['model']:14s} {r['new']:5d} {r.get('variant', ''):>18s} {r['tokens_per_s']:8d} "
               f"{r.get('ms_per_step', 0):8.2f} {100 * r['frac_of_roofline']:6.1f} {r.get('compile_s', 0):8.1f} "
-              f"{r.get('peak_gib', 0):8.2f}")
+              f"{r.get('program_gib', 0):8.2f}")
     for r in ratios:
         print(f"speedup vs transformers: {r}")
     if args.out:

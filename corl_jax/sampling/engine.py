@@ -101,10 +101,12 @@ class Sampler:
       mesh, rules: shard the batch over the mesh's batch axes and the cache per `rules`
         (default: the model's `DEFAULT_RULES`); None runs on the default device.
       buckets: shape buckets (see `Buckets`).
+      compiler_options: XLA options for the sampler's programs only (e.g.
+        {"xla_gpu_enable_command_buffer": "..."}); None keeps XLA's defaults.
     """
 
     def __init__(self, model: Decoder, *, stop_ids: Sequence[int], pad_id: int = 0, mesh: Mesh | None = None,
-                 rules=DEFAULT_RULES, buckets: Buckets = Buckets()):
+                 rules=DEFAULT_RULES, buckets: Buckets = Buckets(), compiler_options: dict | None = None):
         vocab = model.config.vocab_size
         stop_ids = tuple(int(i) for i in stop_ids)
         bad = [i for i in stop_ids + (pad_id,) if not 0 <= i < vocab]
@@ -116,6 +118,7 @@ class Sampler:
         self.mesh = mesh
         self.rules = rules
         self.buckets = buckets
+        self.compiler_options = dict(compiler_options or {})
         self.programs: dict[Any, Any] = {}  # (graphdef, bucket) -> compiled program
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
@@ -163,7 +166,8 @@ class Sampler:
                           kv_block=self.buckets.kv_block, params=params, pad_id=self.pad_id, mesh=self.mesh,
                           rules=self.rules)
             jitted = jax.jit(_generate, static_argnames=tuple(static))
-            program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, **static).compile()
+            program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, **static).compile(
+                compiler_options=self.compiler_options or None)
             seconds = time.perf_counter() - start
             log.info("sampler: compiled bucket %s in %.1f s", bucket, seconds)
             self.programs[cache_key] = program
