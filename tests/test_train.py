@@ -81,8 +81,8 @@ def test_parameters_change_and_stay_finite(tmp_path):
     initial = {a.name: a.params for a in load_agents(config, config.train.max_steps)}
     final = final_state(tmp_path / "run")
     for name, params in initial.items():
-        diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
-                                             params, final[name]["params"]))
+        diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                 for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(final[name]["params"]), strict=True)]
         assert max(diffs) > 0, f"agent {name} did not move"
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final[name]["params"]))
 
@@ -118,7 +118,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(r["step"] for r in rows) == [1, 2, 3, 4, 5]
+    assert sorted(r["step"] for r in rows if any(k.endswith("/loss") for k in r)) == [1, 2, 3, 4, 5]
 
 
 def test_unknown_config_key_is_named(tmp_path):
