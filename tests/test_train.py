@@ -177,3 +177,25 @@ def test_nonfinite_updates_are_skipped_then_abort(tmp_path, monkeypatch):
     for name, params in initial.items():
         for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(saved[name]["params"])):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("placement, mesh", [("partitioned", dict(data=-1, fsdp=1, tensor=1)),
+                                             ("shared", dict(data=2, fsdp=2, tensor=2))])
+def test_placements_on_eight_devices(placement, mesh, tmp_path):
+    assert jax.device_count() == 8  # tests/conftest.py fakes 8 CPU devices
+    config = load_config("pair_different_family")
+    config.placement = placement
+    config.mesh.update(mesh)
+    config.train.update(max_steps=2, eval_every=100, eval_on_start=False)
+    from corl_jax.cohort import load_agents
+
+    agents = load_agents(config, config.train.max_steps)
+    device_sets = [set(a.mesh.devices.flat) for a in agents]
+    if placement == "partitioned":
+        assert device_sets[0].isdisjoint(device_sets[1]) and all(len(d) == 4 for d in device_sets)
+    else:
+        assert device_sets[0] == device_sets[1] and len(device_sets[0]) == 8
+    summary = train(config, str(tmp_path))
+    assert summary["steps"] == 2
+    for name, state in final_state(tmp_path).items():
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"])), name
