@@ -7,6 +7,7 @@ the text is the answer.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from word2number import w2n
@@ -32,10 +33,25 @@ _UNIT_WORDS = (
 )
 UNIT_TEXTS = _UNIT_WORDS + tuple(word + "s" for word in _UNIT_WORDS)
 
-# (pattern, literal): when the unit has no regex metacharacter, the pattern can only match if the literal
-# occurs in the string, which lets most of the ~300 substitutions be skipped without changing results.
+_WORD_RUN = re.compile(r"\w+")
+
+
+def _unit_filter(unit: str) -> tuple[str | None, str | None]:
+    """Two cheap necessary conditions for `(^|\W)unit($|\W)` to match a string: (word, literal).
+
+    word: the unit's leading `\w+` run, which a match turns into a whole `\w+` run of the string (a non-word
+    character or the start precedes it, and a literal non-word character or the end follows it), so it must be
+    among the string's word runs; None when the unit does not start with a word character or a `.` (which
+    matches anything) follows the run. literal: the unit itself when it has no regex metacharacter (only `.`
+    occurs in the list), which must then occur in the string.
+    """
+    lead = _WORD_RUN.match(unit)
+    word = lead.group() if lead is not None and unit[lead.end() : lead.end() + 1] != "." else None
+    return word, None if "." in unit else unit
+
+
 _UNIT_PATTERNS = tuple(
-    (re.compile(r"(^|\W)" + unit + r"($|\W)"), None if "." in unit else unit) for unit in UNIT_TEXTS
+    (re.compile(r"(^|\W)" + unit + r"($|\W)"), *_unit_filter(unit)) for unit in UNIT_TEXTS
 )
 
 _ARRAY_BEGIN = re.compile(r"\\begin\{array\}\{.*?\}")
@@ -50,6 +66,8 @@ _ZEROS_BEFORE_NON_DIGIT = re.compile(r"(?<!\d)(\d+)\.0*([^\d])")
 _ZEROS_AT_END = re.compile(r"(?<!\d)(\d+)\.0*$")
 _SQRT_WORD = re.compile(r"\\sqrt(\w+)")
 _NUMBER = re.compile(r"-?\d*\.?\d+")
+_DIGIT = re.compile(r"\d")
+_NUMBER_CHARS = re.compile(r"[\d.\-]*")
 _NEWLINE_AND_INDENT = re.compile(r"\n\s*")
 _VARIABLE_PREFIXES = ("x=", "y=", "z=", "x\\in", "y\\in", "z\\in", "x\\to", "y\\to", "z\\to")
 
@@ -63,13 +81,16 @@ def _words_to_number(s: str) -> str:
 
 
 def _remove_units(s: str) -> str:
+    """The reference's two passes of unit substitutions, skipping those that provably cannot match."""
     for _ in range(2):
-        for pattern, literal in _UNIT_PATTERNS:
-            if literal is not None and literal not in s:
+        words = set(_WORD_RUN.findall(s))
+        for pattern, word, literal in _UNIT_PATTERNS:
+            if (word is not None and word not in words) or (literal is not None and literal not in s):
                 continue
             without = pattern.sub(r"\1\2", s)
-            if without != "":
+            if without != "" and without != s:
                 s = without
+                words = set(_WORD_RUN.findall(s))
     return s
 
 
@@ -79,7 +100,12 @@ def strip_string(string: object, skip_unit: bool = False) -> str:
     The reference's bracket unwrapping (`{..}`/`(..)`/`[..]` when the whole string `isalnum()`) can never
     fire and its quote removal discards its result; both are omitted.
     """
-    s = str(string).strip()
+    return _strip_string(str(string).strip(), bool(skip_unit))
+
+
+# Answers repeat within a step (a prompt's rollouts agree) and across steps; entries are answer-sized.
+@functools.lru_cache(maxsize=1 << 13)
+def _strip_string(s: str, skip_unit: bool) -> str:
     s = s.replace("\n", "").rstrip(".").replace("\\!", "")
     s = _ARRAY_BEGIN.sub(r"\\begin{pmatrix}", s)
     s = _ARRAY_END.sub(r"\\end{pmatrix}", s)
@@ -144,6 +170,21 @@ def _boxed_content(after_boxed: str) -> str:
     return after_boxed[1:]
 
 
+def _last_number(text: str) -> str:
+    """`_NUMBER.findall(text)[-1]` ("" if none) without scanning the whole text.
+
+    A match holds only digits, `.` and `-` and ends with a digit, so the last match ends at the text's last
+    digit and lies in the run of those characters around it; a character outside them stops every match,
+    so scanning that run alone finds the same matches in it as scanning the whole text.
+    """
+    backwards = text[::-1]
+    last_digit = _DIGIT.search(backwards)
+    if last_digit is None:
+        return ""
+    run_start = len(text) - _NUMBER_CHARS.match(backwards, last_digit.start()).end()
+    return _NUMBER.findall(text, run_start, len(text) - last_digit.start())[-1]
+
+
 def _select_answer(text: str) -> str:
     if "final answer is $" in text and "$. I hope" in text:  # Minerva format
         return text.split("final answer is $", 1)[1].split("$. I hope", 1)[0].strip()
@@ -155,8 +196,7 @@ def _select_answer(text: str) -> str:
         return text.split("final answer is")[-1].strip()
     if "答案是" in text:
         return text.split("答案是")[1].strip().split("\n\n")[0].strip()
-    numbers = _NUMBER.findall(text.replace(",", ""))
-    return numbers[-1] if numbers else ""
+    return _last_number(text.replace(",", ""))
 
 
 def extract_answer(text: str) -> str:

@@ -9,6 +9,7 @@ time-limited worker process. Expressions reach that callable only if they pass t
 from __future__ import annotations
 
 import builtins
+import functools
 import keyword
 import re
 from typing import Callable
@@ -107,6 +108,12 @@ def grader_normalize(expr: str | None) -> str | None:
     """The grader's `_normalize`: units, `$`, `%`, LaTeX to text, spaces, braces, case, integers."""
     if expr is None:
         return None
+    return _grader_normalize(expr)
+
+
+# pylatexenc makes this the grader's slowest in-process part; each pair normalises both of its answers.
+@functools.lru_cache(maxsize=1 << 13)
+def _grader_normalize(expr: str) -> str:
     whole_text = _WHOLE_TEXT.search(expr)
     if whole_text is not None:
         expr = whole_text.group("text")

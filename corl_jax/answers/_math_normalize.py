@@ -7,6 +7,7 @@ slightly different variants of them (selected by keyword).
 
 from __future__ import annotations
 
+import functools
 import re
 
 # `\text{...}` spanning the whole answer (`$` also matches before a final newline, as in the reference).
@@ -124,7 +125,12 @@ def normalize_answer(answer: str | None) -> str | None:
         return None
     if not isinstance(answer, str):
         raise TypeError(f"normalize_answer expects str or None, got {type(answer).__name__}")
-    answer = answer.strip()
+    return _normalize(answer.strip())
+
+
+# The grader normalises both sides of every (pred, label) pair it sees; answers repeat across pairs.
+@functools.lru_cache(maxsize=1 << 13)
+def _normalize(answer: str) -> str:
     try:
         whole_text = _WHOLE_TEXT.search(answer)
         if whole_text is not None:
