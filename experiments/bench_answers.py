@@ -1,9 +1,11 @@
 """Host-side answer pipeline of one ring3 Co-RL step: 3 agents × 16 prompts × 8 completions of ~1024 tokens.
 
 Measures `voting.score_step` end to end (extract + normalize 384 completions, intern, vote kernel, teacher,
-grading of the distinct (pred, label) pairs, rewards, metrics and records) with a cold grading cache (every step
-has new problems and numbers; all grade caches cleared) and with a warm one (the same step scored again), a stage
-breakdown, and the vote kernel alone (compiled, block_until_ready, median of many calls).
+grading of the distinct (pred, label) pairs one by one, rewards, metrics and records) with cold caches (every step
+has new problems and numbers; `answers.math.clear_caches()` empties the grade, sympy, strip and normalise caches)
+and with warm ones (the same step scored again), wall-clock and CPU time (this process + the sympy workers), a
+stage breakdown that also times `answers.math.grade_answers` (the step's distinct pairs graded as one batch, sympy
+checks on parallel workers), and the vote kernel alone (compiled, block_until_ready, median of many calls).
 
 The completions are generated deterministically: LaTeX reasoning steps followed by an ending that is a boxed
 answer, "The answer is ...", an unboxed ending that hits the last-number fallback, a truncation, two boxes, or
@@ -250,6 +252,9 @@ def stage_breakdown(texts, gt):
     named = [(preds_table.strings[p], labels.strings[q]) for p, q in pairs.tolist()]
     graded, t["grade_cold"] = _timed(lambda: [grader(p, q) for p, q in named])
     _, t["grade_warm"] = _timed(lambda: [grader(p, q) for p, q in named])
+    math_answers.clear_caches()
+    batch_graded, t["grade_cold_batch"], t["grade_cold_batch_cpu"] = _timed_cpu(math_answers.grade_answers, named)
+    assert batch_graded == graded, "batch grading differs from one-by-one grading"
     rewards, t["gather"] = _timed(voting.gather_rewards, np.array(graded, np.float32), index)
     counts = {"distinct_pairs": len(pairs), "distinct_vote_keys": len(labels), "distinct_preds": len(preds_table),
               "unparseable_completions": int((answer_ids < 0).sum()), "labeled": int((label_ids >= 0).sum()),
@@ -300,9 +305,10 @@ def main():
     args = parser.parse_args()
 
     load_before = os.getloadavg()
-    # Warm-up (not measured): jit compilation and the sympy worker's start (imports sympy once per process).
+    # Warm-up (not measured): jit compilation and the sympy workers' start (each imports sympy once).
     warm_texts, warm_gt, warm_ids = make_step(args.seed - 1)
     score(warm_texts, warm_gt, warm_ids, voting.PairGrader(math_answers.grade_answer), step=-1)
+    stage_breakdown(warm_texts, warm_gt)
 
     cold, warm, cold_cpu, warm_cpu, stages, counts, chars = [], [], [], [], [], [], []
     for i in range(args.steps):
@@ -333,6 +339,7 @@ def main():
         "config": {"agents": N_AGENTS, "prompts": N_PROMPTS, "G": G, "topology": "ring", "threshold": 0.0,
                    "grader": "answers.math.grade_answer (Co-RL wrapper)", "steps": args.steps, "seed": args.seed,
                    "agent_accuracy": AGENT_ACCURACY, "sympy_timeout_s": math_answers.SYMPY_TIMEOUT_S,
+                   "sympy_workers_in_batch": math_answers.SYMPY_WORKERS,
                    "completion_chars_mean": round(statistics.mean(chars)),
                    "completion_chars_min": min(chars), "completion_chars_max": max(chars)},
         "score_step_cold_cache": summary(cold),

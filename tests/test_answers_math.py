@@ -320,7 +320,7 @@ def test_invalid_timeout_setting_names_the_problem(warm_worker, monkeypatch):
         M.grade_answer_raw("w+1", "1+w")
 
 
-# --- the speed-ups keep the reference's regex results ------------------------------------------------------
+# --- the speed-ups keep the reference's results ----------------------------------------------------------
 
 _REFERENCE_PATTERNS = [
     (_math_extract._ZEROS_BEFORE_NON_DIGIT, re.compile(r"(\d+)\.0*([^\d])"), r"\1\2"),
@@ -341,16 +341,166 @@ def test_faster_regexes_equal_the_reference_patterns(s):
     assert M.normalize_sci_notation(s) == reference_sci
 
 
-@settings(max_examples=200, deadline=None)
-@given(_texts(list("atcmsgd hkrp.°π0123{}\\") + ["sq m", "inch", "rs .", "cm 2", "pm", "east"], 20))
-def test_unit_removal_skip_equals_running_every_pattern(s):
-    expected = s
+def _remove_units_by_every_pattern(s: str) -> str:
+    """The reference's loop: every unit pattern, in order, twice."""
     for _ in range(2):
         for unit in _math_extract.UNIT_TEXTS:
-            without = re.sub(r"(^|\W)" + unit + r"($|\W)", r"\1\2", expected)
+            without = re.sub(r"(^|\W)" + unit + r"($|\W)", r"\1\2", s)
             if without != "":
-                expected = without
-    assert _math_extract._remove_units(s) == expected
+                s = without
+    return s
+
+
+_UNIT_TOKENS = list(_math_extract.UNIT_TEXTS) + list(" .,-+=/^_{}()\\0123456789xyzπ°³∏âé€™٣")
+
+
+@settings(max_examples=600, deadline=None)
+@given(_texts(_UNIT_TOKENS, 12))
+def test_unit_removal_skip_equals_running_every_pattern(s):
+    assert _math_extract._remove_units(s) == _remove_units_by_every_pattern(s)
+
+
+@pytest.mark.parametrize("template", ["5 {}", "{} x", "x ({}) y", "{}", "a{}", "{}s.", "2{} {}-{}", "é {}"])
+def test_unit_removal_of_every_unit_equals_running_every_pattern(template):
+    for unit in _math_extract.UNIT_TEXTS:
+        s = template.format(unit, unit, unit)
+        assert _math_extract._remove_units(s) == _remove_units_by_every_pattern(s), s
+
+
+def test_unit_filters_hold_for_every_unit():
+    # `_unit_filter` assumes `.` is the only regex metacharacter of the list, and its word is a word run.
+    for unit in _math_extract.UNIT_TEXTS:
+        assert not set(unit) & set("^$*+?{}[]\\|()"), unit
+        word, literal = _math_extract._unit_filter(unit)
+        assert literal == (None if "." in unit else unit)
+        if word is not None:
+            assert unit.startswith(word) and re.fullmatch(r"\w+", word)
+            assert not re.match(r"\w", unit[len(word):]) and unit[len(word) : len(word) + 1] != "."
+
+
+@settings(max_examples=400, deadline=None)
+@given(_texts(list("0123456789٣.-,  xe") + ["--", "..", "1.2.3", "-.5", "ab"], 40))
+def test_last_number_equals_the_reference_findall(text):
+    numbers = re.findall(r"-?\d*\.?\d+", text)
+    assert _math_extract._last_number(text) == (numbers[-1] if numbers else "")
+
+
+def test_strip_string_cache_keeps_skip_unit_apart():
+    M.clear_caches()
+    assert M.strip_string("5 cm") == "5"
+    assert M.strip_string("5 cm", skip_unit=True) == "5cm"
+    assert M.strip_string(" 5 cm ") == "5"
+
+
+# --- the sympy shortcuts give the worker's own answers ----------------------------------------------------
+
+_INTEGER = st.one_of(st.integers(-30, 30), st.integers(-(10**40), 10**40)).map(str)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_INTEGER, _INTEGER | st.just("0")), min_size=1, max_size=8))
+def test_integer_differences_are_decided_as_sympy_does(pairs):
+    exprs = [f"({a})-({b})" for a, b in pairs] + [f"({a})-({a})" for a, _ in pairs]
+    decided = [_sympy_worker.integer_difference_is_zero(expr) for expr in exprs]
+    assert None not in decided
+    assert decided == _sympy_worker.are_zero(exprs, 10.0, 2)  # the workers run parse_expr + simplify
+
+
+@pytest.mark.parametrize("expr", ["(007)-(7)", "(+1)-(1)", "(1.0)-(1)", "(1)-(x)", "(1)+(1)", "(٣)-(3)", "1-1"])
+def test_other_expressions_are_left_to_sympy(expr):
+    assert _sympy_worker.integer_difference_is_zero(expr) is None
+
+
+_SYMPY_ATOMS = ["x", "y", "2", "3", "7", "0", "(-1)", "1/2", "pi", "E", "I", "e", "sqrt(2)", "sqrt(6)",
+                "sqrt(x)", "sqrt(-x)", "sqrt(1/x)", "1/sqrt(x)", "x^(1/3)", "0.5", "1.25"]
+# Pairs equal as functions, or only where principal branches agree, or only away from a pole.
+_SYMPY_IDENTITIES = [("(x+1)^2", "x^2+2x+1"), ("sqrt(8)", "2sqrt(2)"), ("(x^2-1)/(x-1)", "x+1"),
+                     ("sqrt(x^2)", "x"), ("sqrt(1/x)", "1/sqrt(x)"), ("sqrt(xy)", "sqrt(x)sqrt(y)"),
+                     ("sqrt(5+2sqrt(6))", "sqrt(2)+sqrt(3)"), ("(-x)^(1/2)", "I*sqrt(x)"), ("(-8)^(1/3)", "1+I*sqrt(3)"),
+                     ("1/(sqrt(2)-1)", "sqrt(2)+1"), ("x^(1/3)x^(2/3)", "x"), ("E^(I*pi)", "-1"),
+                     ("0.1+0.2", "0.3"), ("x/3", "0.333333333333333x"), ("(x+y)^3", "x^3+3x^2y+3xy^2+y^3")]
+
+
+def _sympy_expressions(depth: int):
+    leaf = st.sampled_from(_SYMPY_ATOMS)
+    if depth == 0:
+        return leaf
+    inner = _sympy_expressions(depth - 1)
+    return st.one_of(
+        leaf,
+        st.tuples(inner, st.sampled_from("+-*/"), inner).map(lambda t: f"({t[0]}){t[1]}({t[2]})"),
+        st.tuples(inner, st.sampled_from(["2", "3", "(1/2)", "(-1)"])).map(lambda t: f"({t[0]})^{t[1]}"),
+        inner.map(lambda e: f"sqrt({e})"),
+    )
+
+
+def _parse_difference(expr: str):
+    from sympy.parsing import sympy_parser
+
+    transformations = sympy_parser.standard_transformations + (
+        sympy_parser.implicit_multiplication_application,
+    )
+    return sympy_parser.parse_expr(expr.replace("^", "**"), transformations=transformations)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(st.tuples(_sympy_expressions(2), _sympy_expressions(2)), st.sampled_from(_SYMPY_IDENTITIES)))
+def test_nonzero_shortcut_agrees_with_simplify(pair):
+    import sympy
+
+    try:
+        difference = _parse_difference(f"({pair[0]})-({pair[1]})")
+    except Exception:  # e.g. a division by zero while parsing: the worker answers False either way
+        return
+    assert _sympy_worker.simplifies_to_zero(difference) == bool(sympy.simplify(difference) == 0)
+
+
+@pytest.mark.parametrize("pair", _SYMPY_IDENTITIES)
+def test_nonzero_shortcut_never_fires_on_a_difference_that_is_zero_at_the_point(pair):
+    assert not _sympy_worker.nonzero_at_a_point(_parse_difference(f"({pair[0]})-({pair[1]})"))
+
+
+# --- batch grading ------------------------------------------------------------------------------------------
+
+BATCH_PAIRS = [(pred, gold) for *_, pred, gold, _ in GRADE_CASES] + [
+    ("(1, 2, \\sqrt{8})", "(1,2,2\\sqrt{2})"),  # three elements: sympy checks in successive rounds
+    ("(1, 3, \\sqrt{8})", "(1,2,2\\sqrt{2})"),  # stops at the second element, as one-by-one grading
+    ("3.74 \\times 10^{24}", "3.74e24"),  # rescued by the scientific-notation retry
+    ("x^2+2x+1", "(x+1)^2"),
+    ("x^2+2x+2", "(x+1)^2"),
+    (None, "1"),
+    ("2x", "x+x"),
+    ("x+1", "1+x"),  # a duplicate of a GRADE_CASES pair
+    ("7", M.UNLABELED),
+]
+
+
+@pytest.mark.parametrize("batch, one", [(M.grade_answers, M.grade_answer), (M.grade_answers_raw, M.grade_answer_raw)],
+                         ids=["co_rl", "raw"])
+def test_batch_grading_equals_one_by_one(batch, one):
+    M.clear_caches()
+    expected = [one(pred, gold) for pred, gold in BATCH_PAIRS]
+    M.clear_caches()
+    assert batch(BATCH_PAIRS) == expected
+    assert batch(BATCH_PAIRS[::-1]) == expected[::-1]  # now from the caches
+    assert batch([]) == []
+
+
+def test_batch_grading_survives_a_timeout(monkeypatch):
+    monkeypatch.setattr(M, "SYMPY_TIMEOUT_S", 0.5)
+    M.clear_caches()
+    pairs = [("x+99999999!", "x"), ("3y+3", "3(y+1)"), ("w^2+2w+1", "(w+1)^2"), ("2z", "z+z")]
+    assert M.grade_answers_raw(pairs) == [False, True, True, True]
+    M.clear_caches()
+
+
+def test_batch_grading_bad_input_names_the_problem(monkeypatch):
+    with pytest.raises(TypeError, match="gold must be str or None"):
+        M.grade_answers([("1", "1"), ("1", 1)])
+    M.clear_caches()
+    monkeypatch.setattr(M, "SYMPY_WORKERS", 0)
+    with pytest.raises(ValueError, match="number of sympy workers must be a positive int"):
+        M.grade_answers([("q+1", "1+q")])
 
 
 # --- real input: MATH-500 gold answers ---------------------------------------------------------------------
