@@ -213,8 +213,10 @@ class Cohort:
         self.config = config
         self.agents = agents
         self.topology = topology_of(config)
-        grade = math_answers.grade_answer if config.method == "co_rl" else math_answers.grade_answer_raw
-        self.grader = voting.PairGrader(grade)  # Co-RL: sci-notation wrapper; baselines: raw grader (§11.6)
+        co_rl = config.method == "co_rl"  # Co-RL: sci-notation wrapper; baselines: raw grader (§11.6)
+        self.grader = voting.PairGrader(
+            math_answers.grade_answer if co_rl else math_answers.grade_answer_raw,
+            grade_many=math_answers.grade_answers if co_rl else math_answers.grade_answers_raw)
         g, r = config.grpo, config.rollout
         batch = r.prompts_per_step * r.num_generations
         self.settings = UpdateSettings(loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,

@@ -182,27 +182,39 @@ def gather_rewards(pair_rewards: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 class PairGrader:
-    """`grade(pred, label) -> bool` with an LRU cache shared across steps (grading is the slow part of a step)."""
+    """`grade(pred, label) -> bool` with an LRU cache shared across steps (grading is the slow part of a step).
 
-    def __init__(self, grade: Callable[[str, str], bool], max_entries: int = 1 << 20):
+    grade_many: optional batch form of `grade` with the same results (`answers.math.grade_answers`), which
+    `grade_all` uses for the pairs not in the cache (the math graders then run their sympy checks in parallel).
+    """
+
+    def __init__(self, grade: Callable[[str, str], bool], max_entries: int = 1 << 20,
+                 grade_many: Callable[[list[tuple[str, str]]], list[bool]] | None = None):
         self.grade = grade
+        self.grade_many = grade_many
         self.max_entries = max_entries
         self._cache: collections.OrderedDict[tuple[str, str], bool] = collections.OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __call__(self, pred: str, label: str) -> bool:
-        key = (pred, label)
-        if key in self._cache:
-            self.hits += 1
+        return self.grade_all([(pred, label)])[0]
+
+    def grade_all(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+        """The grade of each (pred, label) pair; those not cached are graded once each, together."""
+        new = [key for key in dict.fromkeys(pairs) if key not in self._cache]
+        self.misses += len(new)
+        self.hits += len(pairs) - len(new)
+        graded = self.grade_many(new) if self.grade_many is not None else [self.grade(*key) for key in new]
+        for key, result in zip(new, graded):
+            self._cache[key] = bool(result)
+        results = []
+        for key in pairs:
             self._cache.move_to_end(key)
-            return self._cache[key]
-        self.misses += 1
-        result = bool(self.grade(pred, label))
-        self._cache[key] = result
-        if len(self._cache) > self.max_entries:
+            results.append(self._cache[key])
+        while len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
-        return result
+        return results
 
     def clear(self) -> None:
         self._cache.clear()
@@ -355,7 +367,7 @@ def score_step(texts_by_agent: Sequence[Sequence[str]], gt: Sequence[str | None]
     label_ids, top_freq = np.asarray(label_ids), np.asarray(top_freq)
 
     pairs, index = reward_pairs(pred_ids, teacher)
-    graded = [grader(pred_table.strings[p], label_table.strings[l]) for p, l in pairs.tolist()]
+    graded = grader.grade_all([(pred_table.strings[p], label_table.strings[l]) for p, l in pairs.tolist()])
     rewards = gather_rewards(np.array(graded, np.float32), index)
 
     labels = [[label_table.lookup(i) for i in row] for row in label_ids.tolist()]
