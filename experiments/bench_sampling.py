@@ -54,6 +54,13 @@ VARIANTS = {
     "seg128+graphs+dsf": (128, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL",
                                 "xla_gpu_enable_dynamic_slice_fusion": True}),
     "seg64+graphs": (64, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL"}),
+    # the layer scan fully unrolled by XLA: static weight/cache slices instead of per-step dynamic-slice copies
+    "seg128+graphs+unroll": (128, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL",
+                                   "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"}),
+    "seg128+graphs+unroll+cublas+dsf": (128, {
+        "xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL",
+        "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL",
+        "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}),
 }
 
 
@@ -65,7 +72,7 @@ def roofline(n_params, config, batch, prompt_len, new_tokens):
 
 # ------------------------------------------------------------------------------------------ ours
 
-def bench_ours(args):
+def bench_ours(args, on_row=lambda rows: None):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -76,6 +83,7 @@ def bench_ours(args):
 
     rows = []
     candidates = list(args.variants)
+    extra = list(args.extra_variants)
     for name in args.models:
         family, hf = SHAPES[name]
         config = ModelConfig.from_hf_dict({"model_type": family, **hf}, param_dtype=jnp.bfloat16)
@@ -92,10 +100,18 @@ def bench_ours(args):
                 row = measure(args, name, model, config, n_params, ids, mask, params, new_tokens, variant, profile)
                 rows.append(row)
                 measured.append(row)
+                on_row(rows)
             if len(candidates) > 1:  # explored on the first (model, length): keep the fastest
                 candidates = [max((r for r in measured if "error" not in r), key=lambda r: r["tokens_per_s"])["variant"]]
                 print(f"chosen variant: {candidates[0]}", flush=True)
-        del model
+        extra_shape = (args.models[0], args.new_tokens[0])
+        if name == extra_shape[0]:
+            extra_model = (model, config, n_params, ids, mask, params)
+        else:
+            del model
+    for variant in extra:  # last, on the first shape only: slow-compiling candidates
+        rows.append(measure(args, extra_shape[0], *extra_model[:5], extra_model[5], extra_shape[1], variant, False))
+        on_row(rows)
     return rows
 
 
@@ -294,7 +310,7 @@ def device_name():
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    p.add_argument("--models", type=lambda s: s.split(","), default=list(SHAPES))
+    p.add_argument("--models", type=lambda s: s.split(","), default=[m for m in SHAPES if m != "tiny"])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -302,6 +318,8 @@ def parse_args(argv=None):
     p.add_argument("--variants", type=lambda s: s.split(","), default=["seg128"],
                    help=f"sampler variants, from {list(VARIANTS)}; with several, all are measured on the first "
                         "model and length and the fastest is used for the rest")
+    p.add_argument("--extra-variants", type=lambda s: s.split(",") if s else [], default=[],
+                   help="variants measured last, on the first model and length only")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--hf-peer", choices=["run", "none", "only"], default="run",
                    help="run the transformers peer in a subprocess first (none: skip; only: this process is it)")
@@ -325,41 +343,43 @@ def main():
         return
     peer = []
     if args.hf_peer == "run":  # before JAX takes the GPU
-        command = [sys.executable, __file__, *sys.argv[1:], "--hf-peer", "only"]
+        command = [sys.executable, __file__, *sys.argv[1:], "--hf-peer", "only", "--out", ""]
         result = subprocess.run(command, capture_output=True, text=True)
         sys.stderr.write(result.stderr[-3000:])
         print(result.stdout)
         lines = [line for line in result.stdout.splitlines() if line.startswith("HF_ROWS=")]
         peer = json.loads(lines[-1][len("HF_ROWS="):]) if lines else []
-    ours = bench_ours(args)
-    sampling_step = bench_sampling_step(args) if args.sampling_step else []
-    ratios = []
-    for row in ours:
-        if "error" in row:
-            continue
-        match = [p for p in peer if p["model"] == row["model"] and p["new"] == row["new"]]
-        if match:
-            ratios.append(dict(model=row["model"], new=row["new"], variant=row["variant"],
-                               speedup_vs_hf=round(row["tokens_per_s"] / match[0]["tokens_per_s"], 1)))
-    report = dict(command=" ".join([Path(sys.executable).name, *sys.argv]), device=device_name(), versions=versions(),
-                  xla_flags=os.environ.get("XLA_FLAGS", ""), hbm_bytes_per_s=HBM_BYTES_PER_S,
-                  settings=dict(prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len,
-                                temperature=1.0, stop_ids="none (forced length)"),
-                  corl_jax=ours, transformers_generate=peer, sampling_step=sampling_step, speedups=ratios)
-    print(f"{'impl':22s} {'model':14s} {'new':>5s} {'variant':>18s} {'tok/s':>8s} {'ms/step':>8s} {'roof%':>6s} "
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+
+    def report(ours, sampling_step=()):
+        ratios = []
+        for row in ours:
+            match = [p for p in peer if "error" not in row and p["model"] == row["model"] and p["new"] == row["new"]]
+            if match:
+                ratios.append(dict(model=row["model"], new=row["new"], variant=row["variant"],
+                                   speedup_vs_hf=round(row["tokens_per_s"] / match[0]["tokens_per_s"], 1)))
+        result = dict(command=command, device=device_name(), versions=versions(),
+                      xla_flags=os.environ.get("XLA_FLAGS", ""), hbm_bytes_per_s=HBM_BYTES_PER_S,
+                      settings=dict(prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len,
+                                    temperature=1.0, stop_ids="none (forced length)"),
+                      corl_jax=ours, transformers_generate=peer, sampling_step=list(sampling_step), speedups=ratios)
+        if args.out:  # rewritten after every measurement, so a cut-off run keeps what it measured
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return result
+
+    ours = bench_ours(args, on_row=report)
+    result = report(ours, bench_sampling_step(args) if args.sampling_step else [])
+    print(f"{'impl':22s} {'model':14s} {'new':>5s} {'variant':>32s} {'tok/s':>8s} {'ms/step':>8s} {'roof%':>6s} "
           f"{'compile':>8s} {'progGiB':>8s}")
     for r in ours + peer:
         if "error" in r:
             continue
-        print(f"{r['impl']:22s} {r['model']:14s} {r['new']:5d} {r.get('variant', ''):>18s} {r['tokens_per_s']:8d} "
+        print(f"{r['impl']:22s} {r['model']:14s} {r['new']:5d} {r.get('variant', ''):>32s} {r['tokens_per_s']:8d} "
               f"{r.get('ms_per_step', 0):8.2f} {100 * r['frac_of_roofline']:6.1f} {r.get('compile_s', 0):8.1f} "
               f"{r.get('program_gib', 0):8.2f}")
-    for r in ratios:
+    for r in result["speedups"]:
         print(f"speedup vs transformers: {r}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
-
 
 if __name__ == "__main__":
     main()
