@@ -168,11 +168,6 @@ class ModelConfig:
         hf["rope_parameters"] = rope_parameters  # 5.x
         return hf
 
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads per key/value head (the GQA ratio)."""
-        return self.num_heads // self.num_kv_heads
-
     def rope_inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim // 2] (float32), with `llama3` scaling when configured."""
         dim = self.head_dim

@@ -44,14 +44,17 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
 class KVCache:
     """Stacked per-layer key/value cache for incremental decoding.
 
-    k, v:  [L, B, S, H_kv, head_dim] in the cache dtype. Slot s of row b holds the key/value of the
-           token written at step s (prompt tokens first, then one slot per decode step).
+    k, v:  [L, B, H_kv, S, head_dim] in the cache dtype. Slot s of row b holds the key/value of the
+           token written at step s (prompt tokens first, then one slot per decode step). Slots are
+           the second-minor axis so that an attended prefix [:, :, :, :attend_len] is already in
+           the (batch, kv-head, slot, dim) layout of the attention matmuls: no per-step transpose.
     mask:  [B, S] bool, True where a slot holds a real token (left padding stays False).
     index: int32 scalar, the next slot to write; shared by all rows (left-padded prompts end in
            the same column, so every row writes its t-th new token into the same slot).
 
     Decoder methods update the cache functionally (`dynamic_update_slice` on the scan carry, so
-    under `jit` with donation XLA writes in place). `max_len` is S.
+    under `jit` with donation XLA writes in place). `max_len` is S; callers keep
+    index + new tokens <= S (a write past the end is clamped by XLA, not reported).
     """
 
     k: jax.Array
@@ -61,7 +64,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def repeat_batch(self, n: int) -> "KVCache":
         """Each row repeated n times consecutively (row b -> rows b*n .. b*n+n-1), e.g. to share one
@@ -73,7 +76,7 @@ class KVCache:
     @staticmethod
     def logical_axes() -> "KVCache":
         """Logical axis names of each field (for `corl_jax.models.sharding.cache_shardings`)."""
-        kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+        kv = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
         return KVCache(k=kv, v=kv, mask=("batch", "cache_seq"), index=())
 
 
@@ -135,7 +138,7 @@ class Decoder(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache for `batch` rows and `max_len` slots (dtype defaults to the compute dtype)."""
         c = self.config
-        shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim)
         dtype = c.dtype if dtype is None else dtype
         return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), mask=jnp.zeros((batch, max_len), bool),
                        index=jnp.zeros((), jnp.int32))
@@ -193,10 +196,10 @@ class Decoder(nnx.Module):
             q, k, v = _project_qkv(x, p, cos, sin, c)
             if kv is not None:  # write this block's K/V at `cache.index`, then read the attended prefix
                 ck, cv = kv
-                start = (layer, 0, cache.index, 0, 0)
+                start = (layer, 0, 0, cache.index, 0)
                 ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), start)
                 cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), start)
-                size = (1, *ck.shape[1:2], attend_len, *ck.shape[3:])
+                size = (1, *ck.shape[1:3], attend_len, ck.shape[4])
                 k = jax.lax.dynamic_slice(ck, (layer, 0, 0, 0, 0), size)[0].astype(c.dtype)
                 v = jax.lax.dynamic_slice(cv, (layer, 0, 0, 0, 0), size)[0].astype(c.dtype)
                 kv = (ck, cv)
@@ -241,7 +244,7 @@ def _apply_rope(x, cos, sin):
 
 
 def _project_qkv(x, p, cos, sin, c: ModelConfig):
-    """q [B, T, H, hd], k and v [B, T, H_kv, hd]: projections, optional biases and q/k norms, RoPE."""
+    """q [B, T, H, hd], k and v [B, H_kv, T, hd]: projections, optional biases and q/k norms, RoPE."""
     dt = c.dtype
     q = jnp.einsum("btd,dhk->bthk", x, p["q_proj"].astype(dt))
     k = jnp.einsum("btd,dhk->bthk", x, p["k_proj"].astype(dt))
@@ -250,19 +253,20 @@ def _project_qkv(x, p, cos, sin, c: ModelConfig):
         q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
     if c.qk_norm:
         q, k = _rms_norm(q, p["q_norm"], c), _rms_norm(k, p["k_norm"], c)
-    return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+    q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # K/V in the cache layout
 
 
 def _attention(q, k, v, mask, c: ModelConfig):
-    """Grouped-query attention without repeating K/V: q [B, T, H, hd], k/v [B, S, H_kv, hd],
+    """Grouped-query attention without repeating K/V: q [B, T, H, hd], k/v [B, H_kv, S, hd],
     mask [B, T, S] bool -> [B, T, H, hd]. Scores and softmax in float32."""
     B, T, H, hd = q.shape
-    K = k.shape[2]
+    K = k.shape[1]
     q = q.reshape(B, T, K, H // K, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=_F32) * (hd ** -0.5)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=_F32) * (hd ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, hd)
+    return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(B, T, H, hd)
 
 
 def _mlp(x, p, c: ModelConfig):
