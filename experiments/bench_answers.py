@@ -248,7 +248,7 @@ def stage_breakdown(texts, gt):
     (label_ids, _), t["vote"] = _timed(lambda: jax.block_until_ready(voting.vote(answer_ids, 0.0)))
     teacher, t["teacher"] = _timed(lambda: np.asarray(voting.teacher_labels(label_ids, "ring")))
     (pairs, index), t["reward_pairs"] = _timed(voting.reward_pairs, pred_ids, teacher)
-    grader = voting.PairGrader(math_answers.grade_answer)
+    grader = voting.PairGrader(math_answers.grade_answer, grade_many=math_answers.grade_answers)
     named = [(preds_table.strings[p], labels.strings[q]) for p, q in pairs.tolist()]
     graded, t["grade_cold"] = _timed(lambda: [grader(p, q) for p, q in named])
     _, t["grade_warm"] = _timed(lambda: [grader(p, q) for p, q in named])
@@ -307,7 +307,7 @@ def main():
     load_before = os.getloadavg()
     # Warm-up (not measured): jit compilation and the sympy workers' start (each imports sympy once).
     warm_texts, warm_gt, warm_ids = make_step(args.seed - 1)
-    score(warm_texts, warm_gt, warm_ids, voting.PairGrader(math_answers.grade_answer), step=-1)
+    score(warm_texts, warm_gt, warm_ids, voting.PairGrader(math_answers.grade_answer, grade_many=math_answers.grade_answers), step=-1)
     stage_breakdown(warm_texts, warm_gt)
 
     cold, warm, cold_cpu, warm_cpu, stages, counts, chars = [], [], [], [], [], [], []
@@ -315,7 +315,7 @@ def main():
         texts, gt, prompt_ids = make_step(args.seed + i)
         chars += [len(t) for agent in texts for t in agent]
         math_answers.clear_caches()
-        grader = voting.PairGrader(math_answers.grade_answer)
+        grader = voting.PairGrader(math_answers.grade_answer, grade_many=math_answers.grade_answers)
         _, wall, cpu = _timed_cpu(score, texts, gt, prompt_ids, grader, step=i)
         cold.append(wall)
         cold_cpu.append(cpu)
