@@ -306,6 +306,8 @@ def test_deterministic_for_a_key_and_compiled_once_per_bucket(checkpoint, caplog
     assert c.tokens.shape == (4, 14) and not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens)[:, :10])
     compiles = [r for r in caplog.records if "compiling" in r.getMessage()]
     assert len(compiles) == 1 and "'new_tokens': 16" in compiles[0].getMessage()
+    raw_key = sampler.generate(ids, mask, num_samples=2, max_new_tokens=10, params=params, key=jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(np.asarray(raw_key.tokens), np.asarray(a.tokens))  # same seed, legacy key
 
 
 def test_sharded_over_eight_devices_equals_single_device(checkpoint):

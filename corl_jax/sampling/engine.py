@@ -119,7 +119,7 @@ class Sampler:
         self.rules = rules
         self.buckets = buckets
         self.compiler_options = dict(compiler_options or {})
-        self.programs: dict[Any, Any] = {}  # (graphdef, bucket) -> compiled program
+        self.programs: dict[Any, Any] = {}  # (graphdef, key type, bucket) -> compiled program
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
     @classmethod
@@ -157,7 +157,7 @@ class Sampler:
     def _program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
         bucket = dict(prompts=ids.shape[0], samples=num_samples, prompt_width=ids.shape[1], new_tokens=new_bucket,
                       kv_block=self.buckets.kv_block, params=params)
-        cache_key = (graphdef, tuple(bucket.items()))
+        cache_key = (graphdef, str(key.dtype), key.shape, tuple(bucket.items()))  # typed or raw uint32 keys
         program = self.programs.get(cache_key)
         if program is None:
             log.info("sampler: compiling a program for bucket %s", bucket)
