@@ -18,7 +18,7 @@ from corl_jax.tokenization import chat_prompt, encode_prompts
 from hf_tiny import hf_logits
 
 FAMILIES = zoo.FAMILIES
-REDUCED = dict(num_examples=64, steps=12, batch_size=8)
+REDUCED = dict(num_examples=64, steps=10, batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,11 @@ def test_build_is_cached_and_atomic(cache, monkeypatch, tmp_path):
     assert not any((zoo.cache_root() / "zoo").iterdir())  # no directory, complete or partial, was left
     with pytest.raises(ValueError, match="unknown family"):
         demo_bases.demo_base_dir("gpt2")
+
+
+def test_report_measures_each_family_on_the_same_problems(cache, capsys):
+    correct = demo_bases.report(FAMILIES, num_test=3)
+    assert sorted(correct) == sorted((f, t) for f in FAMILIES for t in (0.6, 0.0))
+    assert all(c.dtype == bool and c.shape == (3,) for c in correct.values())
+    out = capsys.readouterr().out
+    assert all(f"demo:{f}: built in" in out for f in FAMILIES) and "Cohen's kappa" in out
