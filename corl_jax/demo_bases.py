@@ -150,11 +150,12 @@ def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *, 
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    batches = length_grouped_batches(loss_mask.shape[1] - np.argmax(loss_mask[:, ::-1], axis=1),
-                                     recipe.batch_size, np.random.default_rng(recipe.seed))
+    lengths = loss_mask.shape[1] - np.argmax(loss_mask[:, ::-1], axis=1)  # one past each row's EOS
+    rng = np.random.default_rng(recipe.seed)
     losses, start = [], time.time()
     for i in range(recipe.steps):
-        rows, width = next(batches)
+        rows = rng.choice(len(ids), size=min(recipe.batch_size, len(ids)), replace=False)
+        width = bucket_length(int(lengths[rows].max()), 64)  # a few shapes compile; short batches cost less
         params, opt_state, loss = step(params, opt_state, ids[rows, :width], loss_mask[rows, :width])
         losses.append(float(loss))
         if i % log_every == 0 or i == recipe.steps - 1:
@@ -162,24 +163,6 @@ def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *, 
                          time.time() - start)
     nnx.update(model, params)
     return losses
-
-
-def length_grouped_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator, *, bucket: int = 64,
-                           group: int = 16):
-    """Endless (row indices, width) batches: each epoch visits every row once in a random order; within
-    chunks of `group` batches rows are sorted by length, so a batch holds rows of similar length and is cut
-    to its longest row rounded up to `bucket` tokens (less padding, few compiled shapes)."""
-    batch_size = min(batch_size, len(lengths))
-    while True:
-        order = rng.permutation(len(lengths))
-        batches = []
-        for start in range(0, len(order) - batch_size + 1, batch_size * group):
-            chunk = order[start:start + batch_size * group]
-            chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
-            batches += [chunk[i:i + batch_size] for i in range(0, len(chunk) - batch_size + 1, batch_size)]
-        for k in rng.permutation(len(batches)):
-            rows = batches[k]
-            yield rows, bucket_length(int(lengths[rows].max()), bucket)
 
 
 def measure_accuracy(directory, problems, *, temperature: float = 0.6, max_new_tokens: int = 192, seed: int = 0,
