@@ -103,7 +103,7 @@ def build_demo_base(directory, family: str, **overrides) -> dict:
     ids, loss_mask = sft_examples(policy.tokenizer, problems)
     losses = train_sft(policy.model, ids, loss_mask, recipe, log_prefix=f"demo:{family}")
     save_pretrained(policy, directory)
-    record = dict(family=family, recipe=dataclasses.asdict(recipe), num_tokens_per_example=float(ids.shape[1]),
+    record = dict(family=family, recipe=dataclasses.asdict(recipe), max_example_tokens=int(ids.shape[1]),
                   sft_losses=losses, build_seconds=round(time.time() - start, 1))
     (Path(directory) / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
     logging.info("demo:%s: SFT loss %.3f -> %.3f in %.0f s", family, losses[0], losses[-1], record["build_seconds"])
