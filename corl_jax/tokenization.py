@@ -71,7 +71,7 @@ def chat_prompt(tokenizer, problem: str, *, chat_template: str | None = None) ->
         raise ValueError(
             f"tokenizer {tokenizer.name_or_path!r} has no chat template; set `chat_template` in its "
             "tokenizer_config.json (or add chat_template.jinja), or pass "
-            "--config.agents[i].chat_template=<Jinja text or template file>")
+            "--config.agents.<name>.chat_template=<Jinja text or template file>")
     messages = [{"role": "user", "content": build_prompt_text(problem)}]
     return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                          add_generation_prompt=True)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -201,3 +202,37 @@ def test_placements_on_eight_devices(placement, mesh, tmp_path):
     assert summary["steps"] == 2
     for name, state in final_state(tmp_path).items():
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"])), name
+
+
+def test_kl_reference_and_multiple_iterations(tmp_path):
+    config = load_config("ttrl")
+    config.grpo.update(beta=0.04, num_iterations=2, loss_type="dapo")
+    config.train.update(max_steps=2, eval_every=100, eval_on_start=False)
+    train(config, str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["step"] == 1 and "qwen25/loss" in r)
+    assert np.isfinite(row["qwen25/kl"]) and row["qwen25/kl"] >= 0.0
+    assert "qwen25/self_labeling/fraction_labeled" in row
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_truncated_completions_masked_on_request(mask_truncated):
+    from corl_jax.cohort import Cohort, Rollouts, load_agents
+    from corl_jax.sampling import Completions
+
+    config = load_config("ttrl")
+    config.grpo.mask_truncated_completions = mask_truncated
+    agent = load_agents(config, 1)[0]
+    cohort = Cohort(config, [agent])
+    g, t = config.rollout.num_generations, 5
+    truncated = np.array([True, False] * (g // 2) * config.rollout.prompts_per_step)
+    rows = truncated.size
+    completions = Completions(tokens=jnp.ones((rows, t), jnp.int32), mask=jnp.ones((rows, t), bool),
+                              logprobs=jnp.zeros((rows, t)), lengths=jnp.full((rows,), t),
+                              truncated=jnp.asarray(truncated))
+    prompts = np.ones((config.rollout.prompts_per_step, 3), np.int32)
+    batch = cohort._batch(agent, Rollouts(prompts, prompts.astype(bool), completions))
+    loss_rows = np.asarray(batch["completion_mask"]).sum(axis=1)
+    expected = np.where(truncated & mask_truncated, 0, t)
+    np.testing.assert_array_equal(loss_rows, expected)
+    assert np.asarray(batch["attention"]).all()  # masking the loss never hides tokens from attention
