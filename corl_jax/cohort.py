@@ -250,11 +250,12 @@ class Cohort:
         rollouts = [self.finish(a, ro) for a, ro in zip(self.agents, rollouts)]
         timings["time/sampling"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
         gold = [p.answer for p in block.problems]
         records: list[dict] = []
         if self.topology == "intrinsic":
+            t0 = time.perf_counter()
             rewards, label_metrics = self._intrinsic_rewards(rollouts), {a.name: {} for a in self.agents}
+            timings["time/rewards"] = time.perf_counter() - t0
         else:
             result = voting.score_step(
                 [ro.texts for ro in rollouts], gold, topology=self.topology,
@@ -262,7 +263,7 @@ class Cohort:
                 extract=math_answers.extract_answer, normalize=math_answers.normalize_answer, step=step,
                 prompt_ids=list(block.ids), agent_names=[a.name for a in self.agents])
             rewards, label_metrics, records = result.rewards, result.metrics, result.records
-        timings["time/answers_and_vote"] = time.perf_counter() - t0
+            timings.update(result.timings)
 
         t0 = time.perf_counter()
         pending = [self._update(a, ro, rewards[a.index].reshape(-1), step) for a, ro in zip(self.agents, rollouts)]

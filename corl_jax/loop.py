@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import time
 

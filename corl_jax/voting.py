@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import functools
 import math
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -327,6 +328,7 @@ class StepResult:
     top_freq: np.ndarray  # float32 [A, P]
     metrics: dict[str, dict[str, float]]  # agent name -> {metric name: value}
     records: list[dict]
+    timings: dict[str, float]  # seconds: "time/answers" (extract, normalize, grade), "time/vote" (intern, kernels)
 
 
 def score_step(texts_by_agent: Sequence[Sequence[str]], gt: Sequence[str | None], *, topology: str,
@@ -353,6 +355,7 @@ def score_step(texts_by_agent: Sequence[Sequence[str]], gt: Sequence[str | None]
                          f"prompts (a prompt's G contiguous); got {n_texts} per agent")
     shape = (n_agents, n_prompts, n_texts[0] // n_prompts)
 
+    t0 = time.perf_counter()
     preds = [extract(text) for texts in texts_by_agent for text in texts]
     keys = [normalize(p) or None for p in preds]
     label_table, pred_table = Interner(), Interner()
@@ -362,14 +365,18 @@ def score_step(texts_by_agent: Sequence[Sequence[str]], gt: Sequence[str | None]
     truth_ids = label_table.intern_all(truth_keys)
     gt_ids = label_table.intern_all(gt) if topology == "ground_truth" else None
 
+    t1 = time.perf_counter()
     label_ids, top_freq = vote(answer_ids, threshold)
     teacher = np.asarray(teacher_labels(label_ids, topology, gt_ids))
     label_ids, top_freq = np.asarray(label_ids), np.asarray(top_freq)
 
     pairs, index = reward_pairs(pred_ids, teacher)
+    t2 = time.perf_counter()
     graded = grader.grade_all([(pred_table.strings[p], label_table.strings[l]) for p, l in pairs.tolist()])
     rewards = gather_rewards(np.array(graded, np.float32), index)
 
+    t3 = time.perf_counter()
+    timings = {"time/answers": (t1 - t0) + (t3 - t2), "time/vote": t2 - t1}
     labels = [[label_table.lookup(i) for i in row] for row in label_ids.tolist()]
     teachers = [[label_table.lookup(i) for i in row] for row in teacher.tolist()]
     metrics = co_labeling_metrics(label_ids, teacher, truth_ids, agent_names)
@@ -382,4 +389,4 @@ def score_step(texts_by_agent: Sequence[Sequence[str]], gt: Sequence[str | None]
                 "teacher_label": teachers[a][p], "gt": gt[p], "gt_key": truth_keys[p],
                 "rewards": rewards[a, p].tolist(), "top_freq": float(top_freq[a, p])}
                for a in range(n_agents) for p in range(n_prompts)]
-    return StepResult(rewards, labels, teachers, top_freq, metrics, records)
+    return StepResult(rewards, labels, teachers, top_freq, metrics, records, timings)
