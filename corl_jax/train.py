@@ -40,6 +40,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _CONFIG.value is None or not _WORKDIR.value:
         raise app.UsageError("both --config=configs/<name>.py[:variant] and --workdir=DIR are required")
+    if not flags.FLAGS["verbosity"].present:  # keep the console to the progress bar; --verbosity=0 shows INFO logs
+        logging.set_verbosity(logging.WARNING)
     distributed = _DISTRIBUTED.value if _DISTRIBUTED.value is not None else _multi_host_environment()
     if distributed:
         import jax
