@@ -113,7 +113,7 @@ def test_directory_without_tokenizer_files_error(tmp_path):
 def test_missing_chat_template_error_names_the_fix(tmp_path):
     tk.build_tokenizer(tmp_path, "char", style="chatml", chat_template=False)
     tokenizer = tk.load_tokenizer(tmp_path)
-    with pytest.raises(ValueError, match=r"no chat template.*--config\.agents\[i\]\.chat_template"):
+    with pytest.raises(ValueError, match=r"no chat template.*--config\.agents\.<name>\.chat_template"):
         tk.chat_prompt(tokenizer, PROBLEM)
     with pytest.raises(ValueError, match="no chat template"):
         tk.encode_prompts(tokenizer, [PROBLEM])
