@@ -145,7 +145,8 @@ def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
 
 
 def _completion_logprobs(graphdef, params, tokens, attention, prompt_len: int, s: UpdateSettings):
-    """log p, entropy and mean_v log p of the completion tokens [B, Tc] under the policy, vocabulary-chunked."""
+    """log p, entropy and mean_v log p of the completion tokens [B, Tc] under the policy, in position chunks
+    (never the whole [B, Tc, V] logits)."""
     model = nnx.merge(graphdef, params)
     hidden = model(tokens, positions_from_mask(attention), attention)[:, prompt_len - 1:-1]
     unembedding = model.unembedding().astype(hidden.dtype)
