@@ -250,12 +250,13 @@ class Cohort:
                                 max_new_tokens=r.max_new_tokens, temperature=r.temperature) for a in self.agents]
         rollouts = [self.finish(a, ro) for a, ro in zip(self.agents, rollouts)]
         timings["time/sampling"] = time.perf_counter() - t0
+        batches = [self._batch(a, ro) for a, ro in zip(self.agents, rollouts)]
 
         gold = [p.answer for p in block.problems]
         records: list[dict] = []
         if self.topology == "intrinsic":
             t0 = time.perf_counter()
-            rewards, label_metrics = self._intrinsic_rewards(rollouts), {a.name: {} for a in self.agents}
+            rewards, label_metrics = self._intrinsic_rewards(batches), {a.name: {} for a in self.agents}
             timings["time/rewards"] = time.perf_counter() - t0
         else:
             result = voting.score_step(
@@ -267,7 +268,8 @@ class Cohort:
             timings.update(result.timings)
 
         t0 = time.perf_counter()
-        pending = [self._update(a, ro, rewards[a.index].reshape(-1), step) for a, ro in zip(self.agents, rollouts)]
+        pending = [self._update(a, ro, b, rewards[a.index].reshape(-1), step)
+                   for a, ro, b in zip(self.agents, rollouts, batches)]
         metrics = {a.name: {**label_metrics[a.name], **{k: float(v) for k, v in m.items()}, **timings}
                    for a, m in zip(self.agents, pending)}
         update_time = time.perf_counter() - t0
@@ -288,12 +290,11 @@ class Cohort:
                 "attention": jnp.concatenate([prompt_mask, c.mask], axis=1),
                 "completion_mask": loss_mask.astype(jnp.float32)}
 
-    def _intrinsic_rewards(self, rollouts: list[Rollouts]) -> np.ndarray:
+    def _intrinsic_rewards(self, batches: list[dict[str, jax.Array]]) -> np.ndarray:
         """RENT (−mean entropy) or Intuitor (mean KL(U‖p)) per completion, from a no-grad forward (§4.3)."""
         kind = "entropy" if self.config.method == "rent" else "self_certainty"
         out = []
-        for agent, ro in zip(self.agents, rollouts):
-            b = self._batch(agent, ro)
+        for agent, b in zip(self.agents, batches):
             prompt_len = b["tokens"].shape[1] - b["completion_mask"].shape[1]
             _, entropy, mean_logp = score_completions(agent.graphdef, agent.params, b["tokens"], b["attention"],
                                                       prompt_len, self.settings)
@@ -302,11 +303,11 @@ class Cohort:
         g = self.config.rollout.num_generations
         return np.stack([np.asarray(x).reshape(-1, g) for x in out])
 
-    def _update(self, agent: Agent, rollouts: Rollouts, rewards: np.ndarray, step: int) -> dict[str, Any]:
+    def _update(self, agent: Agent, rollouts: Rollouts, batch: dict[str, jax.Array], rewards: np.ndarray,
+                step: int) -> dict[str, Any]:
         """Advantages, then `num_iterations` optimiser steps of one agent on its rollouts (rows shuffled into
         micro-batches as the reference does)."""
         g, r = self.config.grpo, self.config.rollout
-        batch = self._batch(agent, rollouts)
         rewards = jnp.asarray(rewards, jnp.float32)
         batch["advantages"] = grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards)
         order = jax.random.permutation(agent.step_key(step, 1), rewards.shape[0])

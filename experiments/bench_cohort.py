@@ -28,27 +28,16 @@ from corl_jax.config import agent_config, base_config
 from corl_jax.data import PromptBlock
 from corl_jax.models import Decoder, ModelConfig, Policy
 from corl_jax.tokenization import build_tokenizer, load_tokenizer
-
-SHAPES = {
-    "qwen25": ("chatml", dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                              num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                              tie_word_embeddings=True, rope_theta=1e6)),
-    "llama32": ("llama3", dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                               tie_word_embeddings=True, rope_theta=5e5,
-                               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
-    "qwen3": ("chatml", dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                             tie_word_embeddings=True, rope_theta=1e6)),
-}
-
+from corl_jax.zoo import CHAT_STYLE
+from shapes import SHAPES
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="experiments/results/bench_cohort.json")
     parser.add_argument("--max-new", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--shapes", type=lambda v: v.split(","),
+                        default=["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"])
     args = parser.parse_args()
 
     config = base_config()
@@ -56,11 +45,14 @@ def main() -> None:
     config.grpo.micro_batch_size = args.micro_batch
     workdir = Path(tempfile.mkdtemp())
     agents = []
-    for index, (name, (style, hf)) in enumerate(SHAPES.items()):
-        config.agents[name] = agent_config(f"random:{name}", hf["model_type"])
-        build_tokenizer(workdir / name, "char", style=style)
+    for index, shape in enumerate(args.shapes):
+        family, hf = SHAPES[shape]
+        name = family  # an agent per family; ConfigDict keys cannot hold the dots of the shape names
+        config.agents[name] = agent_config(f"random:{shape}", family)
+        build_tokenizer(workdir / name, "char", style=CHAT_STYLE[family])
         tokenizer = load_tokenizer(workdir / name)
-        model_config = ModelConfig.from_hf_dict(hf, param_dtype=jnp.float32, dtype=jnp.bfloat16, remat="full")
+        model_config = ModelConfig.from_hf_dict({"model_type": family, **hf}, param_dtype=jnp.float32,
+                                                dtype=jnp.bfloat16, remat="full")
         policy = Policy(config=model_config, model=Decoder(model_config, rngs=nnx.Rngs(index)), tokenizer=tokenizer)
         agents.append(make_agent(config, name, index, policy, (tokenizer.eos_token_id,), total_steps=10))
     cohort = Cohort(config, agents)
@@ -82,7 +74,7 @@ def main() -> None:
     import transformers
 
     payload = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind), placement="shared",
-                   agents={n: s[1]["model_type"] for n, s in SHAPES.items()}, prompts=16, generations=8,
+                   agents={SHAPES[s][0]: s for s in args.shapes}, prompts=16, generations=8,
                    max_new_tokens=args.max_new, micro_batch=args.micro_batch,
                    versions=dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
                                  transformers=transformers.__version__),

@@ -26,10 +26,8 @@ from flax import nnx
 
 from corl_jax.cohort import UpdateSettings, update
 from corl_jax.models import Decoder, ModelConfig
+from shapes import SHAPES
 
-QWEN25_1P5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                   max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6)
 PEAK_BF16 = 989e12  # H200 dense bf16 datasheet (the peer's MFU denominator)
 
 
@@ -45,8 +43,10 @@ def model_flops(c: ModelConfig, batch: int, seq: int, scored: int) -> float:
     return 3.0 * forward
 
 
-def bench(micro_batch: int, remat: str, batch: int, prompt: int, completion: int, steps: int) -> dict:
-    config = ModelConfig.from_hf_dict(QWEN25_1P5B, param_dtype=jnp.float32, dtype=jnp.bfloat16, remat=remat)
+def bench(shape: str, micro_batch: int, remat: str, batch: int, prompt: int, completion: int, steps: int) -> dict:
+    family, hf = SHAPES[shape]
+    config = ModelConfig.from_hf_dict({"model_type": family, **hf}, param_dtype=jnp.float32, dtype=jnp.bfloat16,
+                                      remat=remat)
     model = Decoder(config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6, b1=0.9, b2=0.95, eps=1e-8))
@@ -54,7 +54,7 @@ def bench(micro_batch: int, remat: str, batch: int, prompt: int, completion: int
     seq = prompt + completion
     rng = np.random.default_rng(0)
     batch_arrays = {
-        "tokens": jnp.asarray(rng.integers(100, 1000, (batch, seq)), jnp.int32),
+        "tokens": jnp.asarray(rng.integers(100, min(1000, config.vocab_size), (batch, seq)), jnp.int32),
         "attention": jnp.ones((batch, seq), bool),
         "completion_mask": jnp.ones((batch, completion), jnp.float32),
         "advantages": jnp.asarray(rng.standard_normal(batch), jnp.float32),
@@ -86,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="experiments/results/bench_train.json")
     parser.add_argument("--variants", default="16:full,16:dots_no_batch,32:dots_no_batch")
+    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--completion", type=int, default=512)
@@ -96,7 +97,7 @@ def main() -> None:
     for variant in args.variants.split(","):
         micro, remat = variant.split(":")
         try:
-            results.append(bench(int(micro), remat, args.batch, args.prompt, args.completion, args.steps))
+            results.append(bench(args.shape, int(micro), remat, args.batch, args.prompt, args.completion, args.steps))
         except Exception as e:  # an out-of-memory variant is a result, not a crash of the sweep
             results.append(dict(micro_batch=int(micro), remat=remat, error=f"{type(e).__name__}: {str(e)[:300]}"))
         print(json.dumps(results[-1]), flush=True)
@@ -109,7 +110,7 @@ def main() -> None:
     import flax
     import transformers
 
-    payload = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind), shape="qwen2.5-1.5b",
+    payload = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind), shape=args.shape,
                    versions=dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
                                  optax=optax.__version__, transformers=transformers.__version__),
                    results=results, peer=peer)

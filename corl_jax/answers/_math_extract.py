@@ -12,7 +12,7 @@ import re
 
 from word2number import w2n
 
-from corl_jax.answers._math_normalize import fix_a_slash_b, fix_fracs
+from corl_jax.answers._math_normalize import fix_a_slash_b, fix_fracs, lead_zero_and_drop_short_lhs
 
 # Unit strings (mostly MathQA) in the reference's order; duplicates are kept because the substitutions run
 # in sequence. They are used as regex *patterns*, like in the reference: the "." in "q ." matches any
@@ -142,11 +142,7 @@ def _strip_string(s: str, skip_unit: bool) -> str:
     s = _ZEROS_AT_END.sub(r"\1", s)
     if not s:
         return s
-    if s[0] == ".":
-        s = "0" + s
-    sides = s.split("=")
-    if len(sides) == 2 and len(sides[0]) <= 2:
-        s = sides[1]
+    s = lead_zero_and_drop_short_lhs(s)
     s = _SQRT_WORD.sub(r"\\sqrt{\1}", s)
     s = s.replace(" ", "")
     s = fix_fracs(s, empty_piece_raises=False)

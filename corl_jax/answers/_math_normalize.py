@@ -66,6 +66,17 @@ def fix_a_slash_b(s: str, *, sqrt_operands: bool = False) -> str:
     return "\\frac{" + operands[0] + "}{" + operands[1] + "}"
 
 
+def lead_zero_and_drop_short_lhs(s: str) -> str:
+    """Rules both reference normalisers share, on a non-empty string: ".5" -> "0.5"; "k = 7" -> " 7" (an equation
+    whose left side has at most 2 characters gives its right side)."""
+    if s[0] == ".":
+        s = "0" + s
+    sides = s.split("=")
+    if len(sides) == 2 and len(sides[0]) <= 2:
+        s = sides[1]
+    return s
+
+
 def _remove_right_units(s: str) -> str:
     if "\\text{ " not in s:
         return s
@@ -102,11 +113,7 @@ def _strip_string(s: str) -> str:
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     if not s:
         return s
-    if s[0] == ".":
-        s = "0" + s
-    sides = s.split("=")
-    if len(sides) == 2 and len(sides[0]) <= 2:
-        s = sides[1]
+    s = lead_zero_and_drop_short_lhs(s)
     s = _fix_sqrt(s)
     s = s.replace(" ", "")
     s = fix_fracs(s, empty_piece_raises=True)
