@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
 CO_RL_TOPOLOGIES = ("pair", "ring", "peer_majority")
 # The supervision topology each non-Co-RL method implies.
@@ -63,6 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
             "top_p": 1.0,
             "top_k": 0,
             "min_p": 0.0,
+            "unroll_layers": False,     # decode with the layers unrolled: ~8% faster steps, 2-5x longer compiles
     })
     c.grpo = ml_collections.ConfigDict({
             "loss_type": "bnpo",
@@ -74,7 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
             "micro_batch_size": 2,      # sequences per forward/backward (the reference: 2 per device)
             "mask_truncated_completions": False,
             "logprob_chunk_size": 128,  # positions per chunk of the log-prob pass (peak ≈ micro_batch·chunk·V fp32)
-            "remat": True,
+            "remat": "full",            # rematerialisation policy: none / full / dots / dots_no_batch
+            "attention": "auto",        # full-sequence attention: xla / cudnn (NVIDIA GPU, bf16) / auto (cudnn where it can)
     })
     c.optim = ml_collections.ConfigDict({
             "learning_rate": 1e-6,
@@ -158,6 +162,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         fail("grpo.loss_type", f"unknown {g.loss_type!r}", f"use one of {LOSS_TYPES}")
     if g.scale_rewards not in ("group", "batch", "none"):
         fail("grpo.scale_rewards", f"unknown {g.scale_rewards!r}", "use 'group', 'batch' or 'none'")
+    if g.remat not in REMAT_POLICIES:
+        fail("grpo.remat", f"unknown policy {g.remat!r}", f"use one of {REMAT_POLICIES}")
+    if g.attention not in ("auto",) + ATTENTION_IMPLS:
+        fail("grpo.attention", f"unknown implementation {g.attention!r}", f"use one of {('auto',) + ATTENTION_IMPLS}")
     if g.num_iterations < 1:
         fail("grpo.num_iterations", "must be at least 1", "set 1 (the reference)")
     batch = r.prompts_per_step * r.num_generations

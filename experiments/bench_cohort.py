@@ -36,13 +36,17 @@ def main() -> None:
     parser.add_argument("--out", default="experiments/results/bench_cohort.json")
     parser.add_argument("--max-new", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--remat", default="dots_no_batch")
+    parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
+    parser.add_argument("--unroll-layers", type=int, default=1, help="rollout.unroll_layers (1/0)")
     parser.add_argument("--shapes", type=lambda v: v.split(","),
                         default=["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"])
     args = parser.parse_args()
 
     config = base_config()
     config.rollout.update(prompts_per_step=16, num_generations=8, max_new_tokens=args.max_new, max_prompt_len=512)
-    config.grpo.micro_batch_size = args.micro_batch
+    config.grpo.update(micro_batch_size=args.micro_batch, remat=args.remat, attention=args.attention)
+    config.rollout.unroll_layers = bool(args.unroll_layers)
     workdir = Path(tempfile.mkdtemp())
     agents = []
     for index, shape in enumerate(args.shapes):
@@ -52,7 +56,7 @@ def main() -> None:
         build_tokenizer(workdir / name, "char", style=CHAT_STYLE[family])
         tokenizer = load_tokenizer(workdir / name)
         model_config = ModelConfig.from_hf_dict({"model_type": family, **hf}, param_dtype=jnp.float32,
-                                                dtype=jnp.bfloat16, remat="full")
+                                                dtype=jnp.bfloat16, remat=args.remat, attention=args.attention)
         policy = Policy(config=model_config, model=Decoder(model_config, rngs=nnx.Rngs(index)), tokenizer=tokenizer)
         agents.append(make_agent(config, name, index, policy, (tokenizer.eos_token_id,), total_steps=10))
     cohort = Cohort(config, agents)
@@ -75,7 +79,8 @@ def main() -> None:
 
     payload = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind), placement="shared",
                    agents={SHAPES[s][0]: s for s in args.shapes}, prompts=16, generations=8,
-                   max_new_tokens=args.max_new, micro_batch=args.micro_batch,
+                   max_new_tokens=args.max_new, micro_batch=args.micro_batch, remat=args.remat,
+                   attention=args.attention, unroll_layers=config.rollout.unroll_layers,
                    versions=dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
                                  transformers=transformers.__version__),
                    steps=steps,

@@ -31,21 +31,25 @@ from shapes import SHAPES
 
 HBM_BYTES_PER_S = 4.3e12
 _DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION"
-# Sampler variants: name -> (attention segment width in steps (0: attend the whole cache), XLA options).
+_GRAPHS = {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL"}
+_XLA_UNROLL = {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"}
+_DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
+# Sampler variants: name -> (attention segment width in steps (0: attend the whole cache), XLA options,
+# Sampler(unroll_layers=...)).
 VARIANTS = {
-    "seg128": (128, {}),
-    "full": (0, {}),
-    "seg128+graphs": (128, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL"}),
-    "seg128+graphs+dsf": (128, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL",
-                                "xla_gpu_enable_dynamic_slice_fusion": True}),
-    "seg64+graphs": (64, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL"}),
+    "seg128": (128, {}, False),
+    "full": (0, {}, False),
+    "seg128+graphs": (128, _GRAPHS, False),
+    "seg128+graphs+dsf": (128, {**_GRAPHS, **_DSF}, False),
+    "seg64+graphs": (64, _GRAPHS, False),
     # the layer scan fully unrolled by XLA: static weight/cache slices instead of per-step dynamic-slice copies
-    "seg128+graphs+unroll": (128, {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL",
-                                   "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"}),
-    "seg128+graphs+unroll+cublas+dsf": (128, {
-        "xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL",
-        "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL",
-        "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}),
+    "seg128+graphs+unroll": (128, {**_GRAPHS, **_XLA_UNROLL}, False),
+    "seg128+graphs+unroll+cublas+dsf": (128, {**_GRAPHS, **_XLA_UNROLL, **_DSF, "xla_gpu_enable_triton_gemm": False},
+                                        False),
+    # the layers unrolled by the decoder itself (Sampler(unroll_layers=True))
+    "seg128+layers": (128, {}, True),
+    "seg128+graphs+layers": (128, _GRAPHS, True),
+    "seg256+graphs+layers": (256, _GRAPHS, True),
 }
 
 
@@ -106,9 +110,9 @@ def measure(args, name, model, config, n_params, ids, mask, params, new_tokens, 
 
     from corl_jax.sampling import Buckets, Sampler
 
-    kv_block, options = VARIANTS[variant]
+    kv_block, options, unroll_layers = VARIANTS[variant]
     sampler = Sampler(model, stop_ids=(), buckets=Buckets(prompt=64, new_tokens=256, kv_block=kv_block),
-                      compiler_options=options)
+                      compiler_options=options, unroll_layers=unroll_layers)
     run = lambda n, seed: jax.block_until_ready(sampler.generate(  # noqa: E731
         ids, mask, num_samples=args.samples, max_new_tokens=n, params=params, key=jax.random.key(seed)))
     try:

@@ -43,10 +43,11 @@ def model_flops(c: ModelConfig, batch: int, seq: int, scored: int) -> float:
     return 3.0 * forward
 
 
-def bench(shape: str, micro_batch: int, remat: str, batch: int, prompt: int, completion: int, steps: int) -> dict:
+def bench(shape: str, micro_batch: int, remat: str, attention: str, batch: int, prompt: int, completion: int,
+          steps: int) -> dict:
     family, hf = SHAPES[shape]
     config = ModelConfig.from_hf_dict({"model_type": family, **hf}, param_dtype=jnp.float32, dtype=jnp.bfloat16,
-                                      remat=remat)
+                                      remat=remat, attention=attention)
     model = Decoder(config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6, b1=0.9, b2=0.95, eps=1e-8))
@@ -76,16 +77,18 @@ def bench(shape: str, micro_batch: int, remat: str, batch: int, prompt: int, com
     n_params = sum(x.size for x in jax.tree.leaves(params))
     peer_formula = 6 * n_params * batch * seq + 6 * config.num_layers * config.hidden_size * seq * batch * seq
     stats = jax.devices()[0].memory_stats() or {}
-    return dict(micro_batch=micro_batch, remat=remat, batch=batch, seq=seq, completion=completion,
+    return dict(micro_batch=micro_batch, remat=remat, attention=attention, batch=batch, seq=seq, completion=completion,
                 compile_s=round(compile_s, 1), step_s=round(step_s, 3), tokens_per_s=round(batch * seq / step_s),
                 mfu=round(flops / step_s / PEAK_BF16, 3), mfu_peer_formula=round(peer_formula / step_s / PEAK_BF16, 3),
-                peak_mem_gb=round(stats.get("peak_bytes_in_use", 0) / 2**30, 1), loss=float(metrics["loss"]))
+                peak_mem_gb=round(stats.get("peak_bytes_in_use", 0) / 2**30, 1), loss=float(metrics["loss"]),
+                grad_norm=float(metrics.get("grad_norm", float("nan"))))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="experiments/results/bench_train.json")
-    parser.add_argument("--variants", default="16:full,16:dots_no_batch,32:dots_no_batch")
+    parser.add_argument("--variants", default="16:full:xla,32:dots_no_batch:xla,32:dots_no_batch:cudnn",
+                        help="comma-separated micro_batch:remat:attention")
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=256)
@@ -93,20 +96,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--peer", action="store_true", help="also run the HF transformers peer (32 x 768)")
     args = parser.parse_args()
-    results = []
-    for variant in args.variants.split(","):
-        micro, remat = variant.split(":")
-        try:
-            results.append(bench(args.shape, int(micro), remat, args.batch, args.prompt, args.completion, args.steps))
-        except Exception as e:  # an out-of-memory variant is a result, not a crash of the sweep
-            results.append(dict(micro_batch=int(micro), remat=remat, error=f"{type(e).__name__}: {str(e)[:300]}"))
-        print(json.dumps(results[-1]), flush=True)
     peer = None
-    if args.peer:
+    if args.peer:  # first, while this process holds no GPU memory yet
         script = Path(__file__).parent / "peers" / "hf_train_bench.py"
         out = subprocess.run([sys.executable, str(script), "32", "768"], capture_output=True, text=True)
         peer = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
         print("peer", json.dumps(peer), flush=True)
+    results = []
+    for variant in args.variants.split(","):
+        micro, remat, attention = variant.split(":")
+        try:
+            results.append(bench(args.shape, int(micro), remat, attention, args.batch, args.prompt, args.completion,
+                                 args.steps))
+        except Exception as e:  # an out-of-memory variant is a result, not a crash of the sweep
+            results.append(dict(micro_batch=int(micro), remat=remat, attention=attention,
+                                error=f"{type(e).__name__}: {str(e)[:300]}"))
+        print(json.dumps(results[-1]), flush=True)
     import flax
     import transformers
 

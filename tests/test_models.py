@@ -88,10 +88,12 @@ def test_sharded_checkpoint_with_index_loads(checkpoint, tmp_path):
     assert max_diff(models.logits(policy, ids, mask), hf_logits(directory, ids, mask), mask) <= TOL
 
 
+@pytest.mark.parametrize("unroll_layers", [False, True], ids=["layer_scan", "unrolled_layers"])
 @pytest.mark.parametrize("case", ONE_PER_FAMILY)
-def test_kv_cache_prefill_and_decode_match_full_forward(case, checkpoint):
+def test_kv_cache_prefill_and_decode_match_full_forward(case, unroll_layers, checkpoint):
     """Prefill 3 prompts once, share each among 2 samples (repeat_batch), decode 6 tokens per row with
-    growing attend_len buckets; every step's logits equal the full forward of the whole sequence."""
+    growing attend_len buckets; every step's logits equal the full forward of the whole sequence, with the
+    layers scanned or unrolled."""
     policy = models.from_pretrained(checkpoint(case), dtype=jnp.float32)
     prompt_len, new, samples = 10, 6, 2
     prompt_ids, prompt_mask = left_padded_batch([10, 6, 2], prompt_len, seed=1)
@@ -106,13 +108,15 @@ def test_kv_cache_prefill_and_decode_match_full_forward(case, checkpoint):
     @jax.jit
     def prefill(state, ids, positions, mask):
         model = nnx.merge(graphdef, state)
-        hidden, cache = model.prefill(ids, positions, mask, model.init_cache(3, 32), attend_len=prompt_len)
+        hidden, cache = model.prefill(ids, positions, mask, model.init_cache(3, 32), attend_len=prompt_len,
+                                      unroll_layers=unroll_layers)
         return model.logits(hidden), cache.repeat_batch(samples)
 
     @partial(jax.jit, static_argnames="attend_len", donate_argnames="cache")
     def step(state, tokens, positions, cache, attend_len):
         model = nnx.merge(graphdef, state)
-        hidden, cache = model.decode_step(tokens, positions, cache, attend_len=attend_len)
+        hidden, cache = model.decode_step(tokens, positions, cache, attend_len=attend_len,
+                                          unroll_layers=unroll_layers)
         return model.logits(hidden), cache
 
     logits, cache = prefill(state, prompt_ids, positions[::samples, :prompt_len], prompt_mask)
@@ -129,26 +133,28 @@ def test_kv_cache_prefill_and_decode_match_full_forward(case, checkpoint):
     np.testing.assert_array_equal(cache.mask[:, : prompt_len + new], mask)
 
 
-def test_remat_keeps_values_and_gradients(checkpoint):
+def test_remat_and_unrolled_layers_keep_values_and_gradients(checkpoint):
     directory = checkpoint("qwen3-gqa4-hd24")
     ids, mask = left_padded_batch([16, 11], 16)
     positions = models.positions_from_mask(jnp.asarray(mask))
 
-    def loss_and_grad(remat):
+    def loss_and_grad(remat, unroll_layers=False):
         model = models.from_pretrained(directory, dtype=jnp.float32, remat=remat).model
         graphdef, state = nnx.split(model)
 
         def loss(state):
             m = nnx.merge(graphdef, state)
-            return jnp.sum(jnp.where(mask[..., None], m.logits(m(ids, positions, mask)), 0.0) ** 2)
+            hidden = m(ids, positions, mask, unroll_layers=unroll_layers)
+            return jnp.sum(jnp.where(mask[..., None], m.logits(hidden), 0.0) ** 2)
 
         return jax.jit(jax.value_and_grad(loss))(state)
 
-    (value, grads), (value_remat, grads_remat) = loss_and_grad("none"), loss_and_grad("full")
-    np.testing.assert_allclose(value_remat, value, rtol=1e-6)
-    # Recomputation may reorder float32 sums: compare each gradient relative to its own scale.
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(b).max())),
-                 grads_remat, grads)
+    value, grads = loss_and_grad("none")
+    for other_value, other_grads in (loss_and_grad("full"), loss_and_grad("full", unroll_layers=True)):
+        np.testing.assert_allclose(other_value, value, rtol=1e-6)
+        # Recomputation may reorder float32 sums: compare each gradient relative to its own scale.
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(b).max())),
+                     other_grads, grads)
 
 
 def test_bf16_parameters_and_compute_stay_close_to_fp32(checkpoint):
@@ -198,6 +204,27 @@ LLAMA32_4X = {
 }
 LLAMA32_5X = {**{k: v for k, v in LLAMA32_4X.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")},
               "rope_parameters": {**LLAMA32_4X["rope_scaling"], "rope_theta": 500000.0}, "dtype": "bfloat16"}
+
+
+def test_fused_attention_layout_equals_einsum_attention():
+    """The cuDNN path's plumbing (K/V transposes, GQA grouping, a left-padded causal mask broadcast over heads),
+    run by jax.nn.dot_product_attention's XLA implementation, equals `_attention` (cuDNN itself: GPU benchmark)."""
+    from corl_jax.models.decoder import _attention, _fused_attention
+
+    B, T, H, K, hd = 2, 7, 6, 2, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+               enumerate([(B, T, H, hd), (B, K, T, hd), (B, K, T, hd)]))
+    _, mask = left_padded_batch([7, 4], T)
+    full = jnp.tril(jnp.ones((T, T), bool))[None] & jnp.asarray(mask)[:, None, :]
+    c = ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 16, "hidden_size": 48, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": K,
+                                  "head_dim": hd})
+    rows = np.asarray(mask)  # padding query rows are garbage in both (masked downstream)
+    np.testing.assert_allclose(np.asarray(_fused_attention(q, k, v, full, implementation="xla"))[rows],
+                               np.asarray(_attention(q, k, v, full, c))[rows], atol=1e-5)
+    with pytest.raises(ValueError, match="attention='flash'.*xla.*cudnn"):
+        ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 16, "hidden_size": 48, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": H}, attention="flash")
 
 
 def test_config_reads_transformers_4x_and_5x_styles():

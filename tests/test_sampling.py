@@ -197,9 +197,9 @@ def hf_greedy(directory, ids, mask, max_new_tokens, stop_ids, pad_id):
     return np.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=pad_id)
 
 
-def sampler_for(directory, buckets=SMALL, stop_ids=(), mesh=None):
+def sampler_for(directory, buckets=SMALL, stop_ids=(), mesh=None, unroll_layers=False):
     policy = models.from_pretrained(directory, dtype=jnp.float32, mesh=mesh)
-    return Sampler(policy.model, stop_ids=stop_ids, pad_id=0, mesh=mesh, buckets=buckets)
+    return Sampler(policy.model, stop_ids=stop_ids, pad_id=0, mesh=mesh, buckets=buckets, unroll_layers=unroll_layers)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -214,14 +214,14 @@ def test_greedy_equals_transformers_generate(family, checkpoint):
     assert np.all(out.mask) and np.all(out.lengths == 24) and np.all(out.truncated)
 
 
-def test_attention_segments_do_not_change_the_result(checkpoint):
+def test_attention_segments_and_unrolled_layers_do_not_change_the_result(checkpoint):
     directory = checkpoint("qwen3")
     ids, mask = mixed_length_prompts([5, 9], 9, seed=1)
     params = SamplingParams(temperature=0.8)
     results = [
-        sampler_for(directory, Buckets(prompt=4, new_tokens=40, kv_block=block)).generate(
+        sampler_for(directory, Buckets(prompt=4, new_tokens=40, kv_block=block), unroll_layers=unroll).generate(
             ids, mask, num_samples=3, max_new_tokens=37, params=params, key=jax.random.key(7))
-        for block in (0, 5, 16)
+        for block, unroll in ((0, False), (5, False), (16, False), (16, True))
     ]
     for other in results[1:]:
         np.testing.assert_array_equal(np.asarray(other.tokens), np.asarray(results[0].tokens))

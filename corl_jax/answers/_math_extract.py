@@ -37,7 +37,7 @@ _WORD_RUN = re.compile(r"\w+")
 
 
 def _unit_filter(unit: str) -> tuple[str | None, str | None]:
-    """Two cheap necessary conditions for `(^|\W)unit($|\W)` to match a string: (word, literal).
+    r"""Two cheap necessary conditions for `(^|\W)unit($|\W)` to match a string: (word, literal).
 
     word: the unit's leading `\w+` run, which a match turns into a whole `\w+` run of the string (a non-word
     character or the start precedes it, and a literal non-word character or the end follows it), so it must be

@@ -22,6 +22,9 @@ _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config.head_dim default (not hidden/heads)
 
 # Rematerialisation settings for the training forward: name -> jax.checkpoint policy name.
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# Attention of full-sequence forwards (training, scoring): "xla" (einsum, float32 scores; any device) or
+# "cudnn" (jax.nn.dot_product_attention's fused cuDNN kernel; NVIDIA GPUs, bf16/fp16 compute).
+ATTENTION_IMPLS = ("xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Llama3RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture (from `config.json`) plus runtime settings (`param_dtype`, `dtype`, `remat`).
+    """Architecture (from `config.json`) plus runtime settings (`param_dtype`, `dtype`, `remat`, `attention`).
 
     `dtype` is the compute dtype of activations and matmul inputs; RMSNorm statistics, attention
     softmax and logits are always float32. `checkpoint_dtype` is the dtype name recorded in the
@@ -66,6 +69,7 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
     remat: str = "none"
+    attention: str = "xla"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -78,12 +82,15 @@ class ModelConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={self.attention!r}; choose one of {ATTENTION_IMPLS}")
         # Canonical numpy dtypes keep the config hashable and comparable.
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
     @classmethod
-    def from_hf_dict(cls, hf: dict, *, param_dtype=jnp.float32, dtype=None, remat: str = "none") -> "ModelConfig":
+    def from_hf_dict(cls, hf: dict, *, param_dtype=jnp.float32, dtype=None, remat: str = "none",
+                     attention: str = "xla") -> "ModelConfig":
         """Parse an HF `config.json` dict (transformers 4.x or 5.x style). `dtype` defaults to `param_dtype`."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -126,6 +133,7 @@ class ModelConfig:
             param_dtype=param_dtype,
             dtype=param_dtype if dtype is None else dtype,
             remat=remat,
+            attention=attention,
         )
 
     def to_hf_dict(self) -> dict:

@@ -126,14 +126,17 @@ class Decoder(nnx.Module):
 
     # ----------------------------------------------------------------------------------- public paths
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array, *,
+                 unroll_layers: bool = False) -> jax.Array:
         """Full-sequence forward: int32 ids/positions [B, T], bool mask [B, T] -> hidden [B, T, D].
 
-        Causal + key-padding mask; `config.remat` selects the rematerialisation policy."""
+        Causal + key-padding mask; `config.remat` selects the rematerialisation policy. `unroll_layers` (all
+        paths) applies the blocks one by one with static weight slices instead of one `lax.scan`: bigger
+        programs, but no per-layer dynamic-slice copies of the weights and cache (see `_run`)."""
         T = input_ids.shape[1]
         causal = jnp.tril(jnp.ones((T, T), bool))
         mask = causal[None] & attention_mask[:, None, :].astype(bool)
-        return self._run(input_ids, positions, mask, cache=None, attend_len=None)[0]
+        return self._run(input_ids, positions, mask, None, None, unroll_layers)[0]
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache for `batch` rows and `max_len` slots (dtype defaults to the compute dtype)."""
@@ -143,22 +146,24 @@ class Decoder(nnx.Module):
         return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), mask=jnp.zeros((batch, max_len), bool),
                        index=jnp.zeros((), jnp.int32))
 
-    def prefill(self, input_ids, positions, attention_mask, cache: KVCache, *, attend_len: int | None = None):
+    def prefill(self, input_ids, positions, attention_mask, cache: KVCache, *, attend_len: int | None = None,
+                unroll_layers: bool = False):
         """Write a left-padded prompt block [B, T] into slots [index, index+T) and attend over slots
         [0, attend_len) (static; default the whole cache; must be >= index+T).
 
         Returns (hidden of the last column [B, D], updated cache). Prefilling an empty cache with
         attend_len=T costs exactly one prompt forward."""
-        hidden, cache = self._extend(input_ids, positions, attention_mask, cache, attend_len)
+        hidden, cache = self._extend(input_ids, positions, attention_mask, cache, attend_len, unroll_layers)
         return hidden[:, -1], cache
 
-    def decode_step(self, tokens, positions, cache: KVCache, *, attend_len: int | None = None):
+    def decode_step(self, tokens, positions, cache: KVCache, *, attend_len: int | None = None,
+                    unroll_layers: bool = False):
         """One token per row: tokens, positions int32 [B] -> (hidden [B, D], updated cache).
 
         The token is written at slot `cache.index` (then index += 1); attention reads only slots
         [0, attend_len) — a static bound (e.g. a length bucket) that the caller keeps > index."""
         ones = jnp.ones((tokens.shape[0], 1), bool)
-        hidden, cache = self._extend(tokens[:, None], positions[:, None], ones, cache, attend_len)
+        hidden, cache = self._extend(tokens[:, None], positions[:, None], ones, cache, attend_len, unroll_layers)
         return hidden[:, 0], cache
 
     def unembedding(self) -> jax.Array:
@@ -172,7 +177,7 @@ class Decoder(nnx.Module):
 
     # ----------------------------------------------------------------------------------- internals
 
-    def _extend(self, input_ids, positions, token_mask, cache: KVCache, attend_len):
+    def _extend(self, input_ids, positions, token_mask, cache: KVCache, attend_len, unroll_layers):
         """Append a block of T tokens to the cache and run it; the mask covers cache slots [0, attend_len)."""
         T = input_ids.shape[1]
         attend_len = cache.max_len if attend_len is None else attend_len
@@ -180,11 +185,11 @@ class Decoder(nnx.Module):
         query_slots = cache.index + jnp.arange(T)
         causal = jnp.arange(attend_len)[None, :] <= query_slots[:, None]  # [T, attend_len]
         mask = causal[None] & slot_mask[:, None, :attend_len]
-        hidden, cache = self._run(input_ids, positions, mask, cache, attend_len)
+        hidden, cache = self._run(input_ids, positions, mask, cache, attend_len, unroll_layers)
         return hidden, cache.replace(mask=slot_mask, index=cache.index + T)
 
-    def _run(self, input_ids, positions, mask, cache, attend_len):
-        """Embed, scan the stacked layers (optionally with the cache on the carry), final norm."""
+    def _run(self, input_ids, positions, mask, cache, attend_len, unroll_layers):
+        """Embed, scan (or unroll) the stacked layers (optionally with the cache on the carry), final norm."""
         c = self.config
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(c.dtype)
         cos, sin = _rope_cos_sin(positions, c.rope_inv_freq())
@@ -203,7 +208,10 @@ class Decoder(nnx.Module):
                 k = jax.lax.dynamic_slice(ck, (layer, 0, 0, 0, 0), size)[0].astype(c.dtype)
                 v = jax.lax.dynamic_slice(cv, (layer, 0, 0, 0, 0), size)[0].astype(c.dtype)
                 kv = (ck, cv)
-            attn = _attention(q, k, v, mask, c)
+            if cache is None and c.attention == "cudnn":
+                attn = _fused_attention(q, k, v, mask)
+            else:
+                attn = _attention(q, k, v, mask, c)
             out = jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(c.dtype))
             if c.o_bias:
                 out = out + p["o_bias"].astype(c.dtype)
@@ -214,7 +222,13 @@ class Decoder(nnx.Module):
         if cache is None and c.remat != "none":
             block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat], prevent_cse=False)
         kv = None if cache is None else (cache.k, cache.v)
-        (h, kv, _), _ = jax.lax.scan(block, (h, kv, jnp.zeros((), jnp.int32)), layer_params)
+        if unroll_layers:  # static per-layer slices, which XLA can read in place
+            carry = (h, kv, 0)
+            for i in range(c.num_layers):
+                carry, _ = block(carry, {name: p[i] for name, p in layer_params.items()})
+            h, kv, _ = carry
+        else:
+            (h, kv, _), _ = jax.lax.scan(block, (h, kv, jnp.zeros((), jnp.int32)), layer_params)
         h = _rms_norm(h, self.final_norm[...], c)
         if cache is not None:
             cache = cache.replace(k=kv[0], v=kv[1])
@@ -267,6 +281,13 @@ def _attention(q, k, v, mask, c: ModelConfig):
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
     return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(B, T, H, hd)
+
+
+def _fused_attention(q, k, v, mask, implementation="cudnn"):
+    """`_attention` by cuDNN's fused kernel (no [T, S] scores in memory): same shapes, bf16/fp16 inputs.
+    (implementation="xla" runs the same layout anywhere, for tests.)"""
+    to_bshd = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, H_kv, S, hd] -> [B, S, H_kv, hd]
+    return jax.nn.dot_product_attention(q, to_bshd(k), to_bshd(v), mask=mask[:, None], implementation=implementation)
 
 
 def _mlp(x, p, c: ModelConfig):

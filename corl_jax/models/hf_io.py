@@ -151,15 +151,17 @@ def _logits(graphdef, state, ids, mask):
 # ------------------------------------------------------------------------------ loading
 
 def from_pretrained(path, *, dtype=jnp.bfloat16, compute_dtype=None, mesh: Mesh | None = None, rules=None,
-                    remat: str = "none") -> Policy:
+                    remat: str = "none", attention: str = "xla") -> Policy:
     """Load a local HF checkpoint directory (or a hub id when the hub is reachable).
 
     dtype: parameter dtype; compute_dtype: activation dtype (default: dtype). With `mesh`, every
-    parameter is created directly in its sharding per `rules` (default `DEFAULT_RULES`).
+    parameter is created directly in its sharding per `rules` (default `DEFAULT_RULES`). `remat` and
+    `attention` are the runtime settings of `ModelConfig`.
     """
     directory = _resolve_directory(path)
     hf_config = _read_json(directory / "config.json", "config.json")
-    config = ModelConfig.from_hf_dict(hf_config, param_dtype=dtype, dtype=compute_dtype, remat=remat)
+    config = ModelConfig.from_hf_dict(hf_config, param_dtype=dtype, dtype=compute_dtype, remat=remat,
+                                      attention=attention)
     rules = DEFAULT_RULES if rules is None else rules
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     one_device = SingleDeviceSharding(jax.devices()[0])

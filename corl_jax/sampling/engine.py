@@ -103,10 +103,13 @@ class Sampler:
       buckets: shape buckets (see `Buckets`).
       compiler_options: XLA options for the sampler's programs only (e.g.
         {"xla_gpu_enable_command_buffer": "..."}); None keeps XLA's defaults.
+      unroll_layers: apply the decoder's layers one by one (static weight and cache slices) instead of a
+        layer scan, whose per-step dynamic slices copy every weight (see `Decoder.__call__`).
     """
 
     def __init__(self, model: Decoder, *, stop_ids: Sequence[int], pad_id: int = 0, mesh: Mesh | None = None,
-                 rules=DEFAULT_RULES, buckets: Buckets = Buckets(), compiler_options: dict | None = None):
+                 rules=DEFAULT_RULES, buckets: Buckets = Buckets(), compiler_options: dict | None = None,
+                 unroll_layers: bool = False):
         vocab = model.config.vocab_size
         stop_ids = tuple(int(i) for i in stop_ids)
         bad = [i for i in stop_ids + (pad_id,) if not 0 <= i < vocab]
@@ -119,17 +122,19 @@ class Sampler:
         self.rules = rules
         self.buckets = buckets
         self.compiler_options = dict(compiler_options or {})
+        self.unroll_layers = bool(unroll_layers)
         self.programs: dict[Any, Any] = {}  # (graphdef, key type, bucket) -> compiled program
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
     @classmethod
-    def from_policy(cls, policy, *, stop_ids: Sequence[int] | None = None, buckets: Buckets = Buckets()) -> "Sampler":
+    def from_policy(cls, policy, *, stop_ids: Sequence[int] | None = None, buckets: Buckets = Buckets(),
+                    unroll_layers: bool = False) -> "Sampler":
         """A sampler for a loaded `corl_jax.models.Policy` (stop ids from its checkpoint by default)."""
         tokenizer = policy.tokenizer
         if stop_ids is None:
             stop_ids = _policy_stop_ids(policy)
         return cls(policy.model, stop_ids=stop_ids, pad_id=tokenizer.pad_token_id, mesh=policy.mesh,
-                   rules=policy.rules, buckets=buckets)
+                   rules=policy.rules, buckets=buckets, unroll_layers=unroll_layers)
 
     def generate(self, prompt_ids, prompt_mask, *, num_samples: int, max_new_tokens: int,
                  params: SamplingParams, key: jax.Array) -> Completions:
@@ -156,7 +161,7 @@ class Sampler:
 
     def _program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
         bucket = dict(prompts=ids.shape[0], samples=num_samples, prompt_width=ids.shape[1], new_tokens=new_bucket,
-                      kv_block=self.buckets.kv_block, params=params)
+                      kv_block=self.buckets.kv_block, params=params, unroll_layers=self.unroll_layers)
         cache_key = (graphdef, str(key.dtype), key.shape, tuple(bucket.items()))  # typed or raw uint32 keys
         program = self.programs.get(cache_key)
         if program is None:
@@ -164,7 +169,7 @@ class Sampler:
             start = time.perf_counter()
             static = dict(graphdef=graphdef, num_samples=num_samples, new_bucket=new_bucket,
                           kv_block=self.buckets.kv_block, params=params, pad_id=self.pad_id, mesh=self.mesh,
-                          rules=self.rules)
+                          rules=self.rules, unroll_layers=self.unroll_layers)
             jitted = jax.jit(_generate, static_argnames=tuple(static))
             program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, **static).compile(
                 compiler_options=self.compiler_options or None)
@@ -176,13 +181,18 @@ class Sampler:
 
 
 def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphdef, num_samples, new_bucket, kv_block,
-              params: SamplingParams, pad_id, mesh, rules) -> Completions:
+              params: SamplingParams, pad_id, mesh, rules, unroll_layers) -> Completions:
     """The whole generation program (see the module docstring)."""
-    model = nnx.merge(graphdef, state)
+    # Weights in the compute dtype once (the decoder casts each use anyway): decode steps then read bf16, not
+    # fp32 master weights.
+    dtype = nnx.merge(graphdef, state).config.dtype
+    model = nnx.merge(graphdef, jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
     P, Tp = prompt_ids.shape
     B = P * num_samples
     positions = positions_from_mask(prompt_mask)
-    hidden, cache = model.prefill(prompt_ids, positions, prompt_mask, model.init_cache(P, Tp), attend_len=Tp)
+    hidden, cache = model.prefill(prompt_ids, positions, prompt_mask, model.init_cache(P, Tp), attend_len=Tp,
+                                  unroll_layers=unroll_layers)
     cache = _grow(cache.repeat_batch(num_samples), Tp + new_bucket)
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
@@ -202,7 +212,8 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphde
 
     def decode_step(c: _Carry, attend_len: int) -> _Carry:
         previous = jax.lax.dynamic_index_in_dim(c.tokens, c.step - 1, axis=1, keepdims=False)
-        hidden, cache = model.decode_step(previous, start_positions + c.step - 1, c.cache, attend_len=attend_len)
+        hidden, cache = model.decode_step(previous, start_positions + c.step - 1, c.cache, attend_len=attend_len,
+                                          unroll_layers=unroll_layers)
         tokens, logprobs = sample_tokens(model.logits(hidden), jax.random.fold_in(key, c.step), params)
         tokens = jnp.where(c.done, pad_id, tokens)
         logprobs = jnp.where(c.done, 0.0, logprobs)
