@@ -44,7 +44,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.self_consistency_threshold = 0.0
     c.seed = 42
     c.data_seed = 42
-    c.agents = ml_collections.ConfigDict()  # name -> agent_config(...); insertion order is the ring order
+    # name -> agent_config(...); insertion order is the ring order (agent i is taught by agent i+1), so unsorted
+    c.agents = ml_collections.ConfigDict(sort_keys=False)
 
     c.data = ml_collections.ConfigDict({
             "train_path": "hf:q1716523669/MATH-Level345",  # JSON / JSONL / parquet file, "hf:<name>[:split]", "tfds:<name>[:split]", "arithmetic"

@@ -105,3 +105,27 @@ def test_report_measures_each_family_on_the_same_problems(cache, capsys):
     assert all(c.dtype == bool and c.shape == (3,) for c in correct.values())
     out = capsys.readouterr().out
     assert all(f"demo:{f}: built in" in out for f in FAMILIES) and "Cohen's kappa" in out
+
+
+def test_ring3_demo_variant_trains_on_the_bases(cache, tmp_path):
+    """A short version of the embedded default: configs/ring3.py:demo on the (reduced) demo bases, 2 steps."""
+    import importlib.util
+    from pathlib import Path
+
+    from corl_jax.config import validate
+    from corl_jax.loop import train
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "ring3.py"
+    spec = importlib.util.spec_from_file_location("ring3", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("demo")
+    assert sorted(a.model_path for a in config.agents.values()) == sorted(f"demo:{f}" for f in FAMILIES)
+    config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=24)
+    config.grpo.micro_batch_size = 8
+    config.train.update(max_steps=2, eval_every=2, eval_max_new_tokens=24, save_every=2)
+    config.data.max_eval_samples = 8
+    validate(config)
+    summary = train(config, str(tmp_path))
+    assert summary["steps"] == 2 and set(summary["agents"]) == set(config.agents.keys())
+    assert all(0.0 <= s["final_accuracy"] <= 1.0 for s in summary["agents"].values())

@@ -68,8 +68,15 @@ def test_tiny_variant_runs_end_to_end(name, tmp_path):
     assert all(f"{agent}/{key}" in row for key in split)
     if config.method == "co_rl":
         assert f"{agent}/co_labeling/labeled_fraction_me" in row
-        records = (tmp_path / "records.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
         assert len(records) == steps * config.rollout.prompts_per_step * len(config.agents)
+        if name == "ring3":  # the reference's ring: Qwen2.5 <- Llama <- Qwen3 <- Qwen2.5, in the file's order
+            names = list(config.agents.keys())
+            assert names == ["qwen25", "llama32", "qwen3"]
+            label = {(r["step"], r["prompt_id"], r["agent"]): r["label"] for r in records}
+            for r in records:
+                teacher = names[(names.index(r["agent"]) + 1) % len(names)]
+                assert r["teacher_label"] == label[r["step"], r["prompt_id"], teacher]
     assert (tmp_path / "tensorboard").is_dir() and any((tmp_path / "tensorboard").iterdir())
     assert Checkpointer(str(tmp_path)).latest_step() == steps
 
