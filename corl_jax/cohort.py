@@ -94,19 +94,10 @@ def load_agents(config: ml_collections.ConfigDict, total_steps: int) -> list[Age
     agents = []
     for index, (name, spec) in enumerate(config.agents.items()):
         path = resolve_model_path(spec.model_path)
-        compute_dtype = _DTYPES[spec.compute_dtype]
-        policy = from_pretrained(path, dtype=_DTYPES[spec.param_dtype], compute_dtype=compute_dtype,
-                                 mesh=meshes[index], remat=config.grpo.remat,
-                                 attention=_attention_impl(config.grpo.attention, compute_dtype))
+        policy = from_pretrained(path, dtype=_DTYPES[spec.param_dtype], compute_dtype=_DTYPES[spec.compute_dtype],
+                                 mesh=meshes[index], remat=config.grpo.remat, attention=config.grpo.attention)
         agents.append(make_agent(config, name, index, policy, stop_token_ids(policy.tokenizer, path), total_steps))
     return agents
-
-
-def _attention_impl(setting: str, compute_dtype) -> str:
-    """config.grpo.attention with "auto" resolved: cuDNN's fused kernel on GPUs with bf16 compute, else XLA."""
-    if setting != "auto":
-        return setting
-    return "cudnn" if jax.default_backend() == "gpu" and compute_dtype == jnp.bfloat16 else "xla"
 
 
 def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy: Policy, stop_ids,

@@ -79,7 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
             "mask_truncated_completions": False,
             "logprob_chunk_size": 128,  # positions per chunk of the log-prob pass (peak ≈ micro_batch·chunk·V fp32)
             "remat": "full",            # rematerialisation policy: none / full / dots / dots_no_batch
-            "attention": "auto",        # full-sequence attention: xla / cudnn (NVIDIA GPU, bf16) / auto (cudnn where it can)
+            "attention": "auto",        # full-sequence attention: auto (cudnn where it can) / xla / cudnn
     })
     c.optim = ml_collections.ConfigDict({
             "learning_rate": 1e-6,
@@ -165,8 +165,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         fail("grpo.scale_rewards", f"unknown {g.scale_rewards!r}", "use 'group', 'batch' or 'none'")
     if g.remat not in REMAT_POLICIES:
         fail("grpo.remat", f"unknown policy {g.remat!r}", f"use one of {REMAT_POLICIES}")
-    if g.attention not in ("auto",) + ATTENTION_IMPLS:
-        fail("grpo.attention", f"unknown implementation {g.attention!r}", f"use one of {('auto',) + ATTENTION_IMPLS}")
+    if g.attention not in ATTENTION_IMPLS:
+        fail("grpo.attention", f"unknown implementation {g.attention!r}", f"use one of {ATTENTION_IMPLS}")
     if g.num_iterations < 1:
         fail("grpo.num_iterations", "must be at least 1", "set 1 (the reference)")
     batch = r.prompts_per_step * r.num_generations

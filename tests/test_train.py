@@ -162,13 +162,6 @@ def test_bad_grpo_settings(override, message):
         validate(config)
 
 
-def test_attention_auto_is_xla_off_gpu():
-    from corl_jax.cohort import _attention_impl
-
-    assert jax.default_backend() == "cpu"
-    assert _attention_impl("auto", jnp.bfloat16) == "xla" and _attention_impl("cudnn", jnp.float32) == "cudnn"
-
-
 def test_co_rl_needs_two_agents():
     config = load_config("ring3")
     for name in list(config.agents.keys())[1:]:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -22,9 +23,10 @@ _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config.head_dim default (not hidden/heads)
 
 # Rematerialisation settings for the training forward: name -> jax.checkpoint policy name.
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-# Attention of full-sequence forwards (training, scoring): "xla" (einsum, float32 scores; any device) or
-# "cudnn" (jax.nn.dot_product_attention's fused cuDNN kernel; NVIDIA GPUs, bf16/fp16 compute).
-ATTENTION_IMPLS = ("xla", "cudnn")
+# Attention of full-sequence forwards (training, scoring): "xla" (einsum, float32 scores; any device), "cudnn"
+# (jax.nn.dot_product_attention's fused cuDNN kernel; NVIDIA GPUs, bf16/fp16 compute, head_dim a multiple of 8 up
+# to 128) or "auto" (cudnn where those conditions hold, else xla).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,14 @@ class ModelConfig:
         # Canonical numpy dtypes keep the config hashable and comparable.
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether full-sequence forwards use the cuDNN kernel (`attention`, resolved for the default backend)."""
+        if self.attention != "auto":
+            return self.attention == "cudnn"
+        return (jax.default_backend() == "gpu" and self.dtype in (jnp.bfloat16, jnp.float16)
+                and self.head_dim % 8 == 0 and self.head_dim <= 128)
 
     @classmethod
     def from_hf_dict(cls, hf: dict, *, param_dtype=jnp.float32, dtype=None, remat: str = "none",

@@ -208,7 +208,7 @@ class Decoder(nnx.Module):
                 k = jax.lax.dynamic_slice(ck, (layer, 0, 0, 0, 0), size)[0].astype(c.dtype)
                 v = jax.lax.dynamic_slice(cv, (layer, 0, 0, 0, 0), size)[0].astype(c.dtype)
                 kv = (ck, cv)
-            if cache is None and c.attention == "cudnn":
+            if cache is None and c.fused_attention:
                 attn = _fused_attention(q, k, v, mask)
             else:
                 attn = _attention(q, k, v, mask, c)
