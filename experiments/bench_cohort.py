@@ -29,16 +29,18 @@ from corl_jax.data import PromptBlock
 from corl_jax.models import Decoder, ModelConfig, Policy
 from corl_jax.tokenization import build_tokenizer, load_tokenizer
 from corl_jax.zoo import CHAT_STYLE
+from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from shapes import SHAPES
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="experiments/results/bench_cohort.json")
     parser.add_argument("--max-new", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--remat", default="dots_no_batch")
-    parser.add_argument("--attention", default="xla", choices=["xla", "cudnn"])
-    parser.add_argument("--unroll-layers", type=int, default=1, help="rollout.unroll_layers (1/0)")
+    parser.add_argument("--remat", default="dots_no_batch", choices=REMAT_POLICIES)
+    parser.add_argument("--attention", default="auto", choices=ATTENTION_IMPLS)
+    parser.add_argument("--unroll-layers", type=int, default=0, choices=(0, 1), help="rollout.unroll_layers")
     parser.add_argument("--shapes", type=lambda v: v.split(","),
                         default=["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"])
     args = parser.parse_args()
@@ -52,6 +54,8 @@ def main() -> None:
     for index, shape in enumerate(args.shapes):
         family, hf = SHAPES[shape]
         name = family  # an agent per family; ConfigDict keys cannot hold the dots of the shape names
+        if name in config.agents:
+            parser.error(f"--shapes: two shapes of the {family} family; give one shape per family")
         config.agents[name] = agent_config(f"random:{shape}", family)
         build_tokenizer(workdir / name, "char", style=CHAT_STYLE[family])
         tokenizer = load_tokenizer(workdir / name)

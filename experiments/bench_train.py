@@ -81,7 +81,7 @@ def bench(shape: str, micro_batch: int, remat: str, attention: str, batch: int, 
                 compile_s=round(compile_s, 1), step_s=round(step_s, 3), tokens_per_s=round(batch * seq / step_s),
                 mfu=round(flops / step_s / PEAK_BF16, 3), mfu_peer_formula=round(peer_formula / step_s / PEAK_BF16, 3),
                 peak_mem_gb=round(stats.get("peak_bytes_in_use", 0) / 2**30, 1), loss=float(metrics["loss"]),
-                grad_norm=float(metrics.get("grad_norm", float("nan"))))
+                grad_norm=float(metrics["grad_norm"]))
 
 
 def main() -> None:

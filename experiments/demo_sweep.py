@@ -28,16 +28,17 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("qwen2", "llama", "qwen3")
-# name -> (config file, overrides); a pair's agents are (qwen25, llama32) in pair_different_family.py.
+# name -> (config file, overrides with {variant} filled in); a pair's agents are (qwen25, llama32) in
+# pair_different_family.py.
 CONDITIONS = {
     "ring3": ("ring3", []),
     "pair_qwen2_llama": ("pair_different_family", []),
     "pair_same_qwen2": ("pair_same_family", []),
     "ttrl_qwen2": ("ttrl", []),
     "gt_reward_qwen2": ("gt_reward", []),
-    "pair_qwen2_qwen3": ("pair_different_family", ["--config.agents.llama32.model_path=demo:qwen3"]),
-    "pair_llama_qwen3": ("pair_different_family", ["--config.agents.qwen25.model_path=demo:llama",
-                                                   "--config.agents.llama32.model_path=demo:qwen3"]),
+    "pair_qwen2_qwen3": ("pair_different_family", ["--config.agents.llama32.model_path={variant}:qwen3"]),
+    "pair_llama_qwen3": ("pair_different_family", ["--config.agents.qwen25.model_path={variant}:llama",
+                                                   "--config.agents.llama32.model_path={variant}:qwen3"]),
     "different_family_plus": ("different_family_plus", []),
 }
 T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
@@ -69,8 +70,8 @@ def run_one(condition: str, seed: int, args, env) -> dict:
     config_file, overrides = CONDITIONS[condition]
     workdir = Path(args.workdirs) / f"{condition}-s{seed}"
     command = [sys.executable, "-m", "corl_jax.train", f"--config={REPO}/configs/{config_file}.py:{args.variant}",
-               f"--workdir={workdir}", f"--config.seed={seed}", f"--config.data_seed={seed}", *overrides,
-               *args.override]
+               f"--workdir={workdir}", f"--config.seed={seed}", f"--config.data_seed={seed}",
+               *(o.format(variant=args.variant) for o in overrides), *args.override]
     start = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
     result = dict(condition=condition, seed=seed, seconds=round(time.time() - start, 1), command=" ".join(command[1:]))
@@ -78,9 +79,8 @@ def run_one(condition: str, seed: int, args, env) -> dict:
         return dict(result, error=proc.stderr[-1500:])
     summary = json.loads((workdir / "summary.json").read_text())
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    families = {name: spec["model_path"].split(":")[-1]
-                for name, spec in json.loads((workdir / "config.json").read_text())["agents"].items()} \
-        if (workdir / "config.json").exists() else {}
+    agents = json.loads((workdir / "config.json").read_text())["agents"]
+    families = {name: spec["model_path"].split(":")[-1] for name, spec in agents.items()}  # "<variant>:<family>"
     curves = {}
     for name in summary["agents"]:
         curves[name] = {key: [[r["step"], round(r[f"{name}/{key}"], 4)] for r in rows if f"{name}/{key}" in r]
@@ -177,6 +177,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     start = time.time()
     payload = dict(command=" ".join(sys.argv), runs=[], summary={})
+    save = lambda: (out / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")  # noqa: E731
     if args.variant == "demo":
         builders = [subprocess.Popen([sys.executable, "-c", f"from corl_jax.demo_bases import demo_base_dir; "
                                       f"demo_base_dir('{f}')"], env=env, cwd=REPO) for f in FAMILIES]
@@ -185,6 +186,7 @@ def main() -> None:
         payload["bases"] = measure_bases(args.num_test)
         payload["bases_seconds"] = round(time.time() - start, 1)
         print(json.dumps(payload["bases"]), flush=True)
+        save()
     import jax
 
     payload["device"] = str(jax.devices()[0].device_kind)
@@ -202,10 +204,10 @@ def main() -> None:
                 payload["summary"] = aggregate(payload["runs"])
                 r = payload["runs"][-1]
                 print(json.dumps({k: r.get(k) for k in ("condition", "seed", "seconds", "agents", "error")}), flush=True)
-                (out / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")
+                save()
     payload["not_run"] = [f"{c}-s{s}" for c, s in jobs]
     payload["plots"] = plot(payload, out) if payload["summary"] else []
-    (out / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")
+    save()
     print(json.dumps(payload["summary"], indent=1))
 
 

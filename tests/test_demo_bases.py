@@ -14,7 +14,11 @@ import pytest
 
 import corl_jax.models as models
 from corl_jax import arithmetic, demo_bases, zoo
+from corl_jax.config import validate
+from corl_jax.loop import train
 from corl_jax.tokenization import chat_prompt, encode_prompts
+
+from config_files import load_config
 from hf_tiny import hf_logits
 
 FAMILIES = zoo.FAMILIES
@@ -109,17 +113,7 @@ def test_report_measures_each_family_on_the_same_problems(cache, capsys):
 
 def test_ring3_demo_variant_trains_on_the_bases(cache, tmp_path):
     """A short version of the embedded default: configs/ring3.py:demo on the (reduced) demo bases, 2 steps."""
-    import importlib.util
-    from pathlib import Path
-
-    from corl_jax.config import validate
-    from corl_jax.loop import train
-
-    path = Path(__file__).resolve().parents[1] / "configs" / "ring3.py"
-    spec = importlib.util.spec_from_file_location("ring3", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("demo")
+    config = load_config("ring3", "demo")
     assert sorted(a.model_path for a in config.agents.values()) == sorted(f"demo:{f}" for f in FAMILIES)
     config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=24)
     config.grpo.micro_batch_size = 8

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -22,6 +21,8 @@ from corl_jax.checkpointing import Checkpointer
 from corl_jax.config import validate
 from corl_jax.loop import train
 
+from config_files import load_config
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ["ring3", "pair_same_family", "pair_different_family", "different_family_plus", "ttrl", "gt_reward",
            "rent", "intuitor"]
@@ -30,13 +31,6 @@ CONFIGS = ["ring3", "pair_same_family", "pair_different_family", "different_fami
 @pytest.fixture(autouse=True)
 def _zoo_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "zoo_cache"))
-
-
-def load_config(name: str, variant: str = "tiny"):
-    spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant)
 
 
 def final_state(workdir) -> dict:

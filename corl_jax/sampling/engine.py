@@ -104,7 +104,7 @@ class Sampler:
       compiler_options: XLA options for the sampler's programs only (e.g.
         {"xla_gpu_enable_command_buffer": "..."}); None keeps XLA's defaults.
       unroll_layers: apply the decoder's layers one by one (static weight and cache slices) instead of a
-        layer scan, whose per-step dynamic slices copy every weight (see `Decoder.__call__`).
+        layer scan (see `Decoder.__call__`): measured 8% faster decoding on an H200 for 2-5x the compile time.
     """
 
     def __init__(self, model: Decoder, *, stop_ids: Sequence[int], pad_id: int = 0, mesh: Mesh | None = None,
@@ -185,9 +185,9 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphde
     """The whole generation program (see the module docstring)."""
     # Weights in the compute dtype once (the decoder casts each use anyway): decode steps then read bf16, not
     # fp32 master weights.
-    dtype = nnx.merge(graphdef, state).config.dtype
-    model = nnx.merge(graphdef, jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
+    model = nnx.merge(graphdef, state)
+    dtype = model.config.dtype
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
     P, Tp = prompt_ids.shape
     B = P * num_samples
     positions = positions_from_mask(prompt_mask)
