@@ -4,7 +4,8 @@ Sources, named by one string (`config.data.train_path` / `eval_path`):
   * a file: `*.json` (a JSON array of objects), `*.jsonl`, `*.parquet`;
   * `hf:<name>[:split]`: a Hugging Face dataset (needs `datasets` and, for a hub name, the hub);
   * `tfds:<name>[:split]`: a prepared TFDS builder, read through `tfds.data_source` (array_record builders);
-  * `arithmetic[:split]`: the synthetic arithmetic world (`corl_jax.arithmetic`; split `rl` by default).
+  * `arithmetic[:split[:levels]]`: the synthetic arithmetic world (`corl_jax.arithmetic`; split `rl` and all levels
+    by default; levels comma-separated, e.g. `arithmetic:test:2,3`).
 
 Rows become `Problem`s: the problem text, the gold answer (never used by a label-free reward) and, where the row has
 one, a rephrased text of the same problem (Different family+). `PromptStream` is the single shuffled order of
@@ -49,6 +50,18 @@ class Problem:
 
 
 # ----------------------------------------------------------------------------------------------------------- reading
+
+
+def _arithmetic_problems(spec: str, split: str = "", levels: str = "") -> list[Problem]:
+    """`arithmetic[:split[:levels]]` (see the module docstring)."""
+    from corl_jax import arithmetic
+
+    try:
+        level_tuple = tuple(int(x) for x in levels.split(",")) if levels else arithmetic.LEVELS
+        return arithmetic.generate(split or "rl", levels=level_tuple)
+    except ValueError as e:
+        raise DataError(f"{spec}: {e}. Fix: use 'arithmetic[:split[:levels]]' with a split of {arithmetic.SPLITS} "
+                        f"and comma-separated levels from {arithmetic.LEVELS}, e.g. 'arithmetic:test:2,3'") from e
 
 
 def load_rows(spec: str) -> list[Mapping[str, Any]]:
@@ -151,10 +164,9 @@ def load_problems(spec: str, *, question_field: str = "", answer_field: str = ""
     an empty one raises a DataError naming the source, the row and the field, or with `skip_bad_rows` is dropped
     and counted in a warning. Problem ids are row indices, so skipping never renumbers the other rows.
     """
-    scheme, _, split = spec.partition(":")
+    scheme, _, rest = spec.partition(":")
     if scheme == "arithmetic":
-        from corl_jax import arithmetic
-        return arithmetic.generate(split or "rl")
+        return _arithmetic_problems(spec, *rest.split(":", 1))
     rows = load_rows(spec)
     if not rows:
         raise DataError(f"{spec}: has no rows. Fix: point the path at a non-empty dataset")

@@ -38,7 +38,8 @@ class Recipe:
     """How one family's base is made.
 
     architecture: HF config.json fields overriding `zoo.TINY_ARCHITECTURES[family]`.
-    tokenizer: "char" (one token per byte) or "bpe" (trained on the SFT corpus up to `vocab_size` tokens).
+    tokenizer: "char" (one token per byte) or "bpe" (trained on the SFT corpus up to `vocab_size` tokens);
+        `digit_group` digits at most per number token (1 like Qwen, 3 like Llama 3).
     num_examples / levels: how many `sft` problems, of which levels, drawn with `seed`.
     steps, batch_size, learning_rate: the AdamW run (HF cosine schedule with 3% warmup, clip 1.0).
     seed: problems, initialisation and batch order.
@@ -47,6 +48,7 @@ class Recipe:
     architecture: dict
     tokenizer: str
     vocab_size: int = 512
+    digit_group: int = 1
     num_examples: int = 20000
     levels: tuple[int, ...] = arithmetic.LEVELS
     steps: int = 3000
@@ -98,7 +100,8 @@ def build_demo_base(directory, family: str, **overrides) -> dict:
     problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, levels=recipe.levels)
     corpus = [text for p in problems for text in (build_prompt_text(p.text), p.rephrased, p.solution)]
     zoo.build_random_checkpoint(directory, family, seed=recipe.seed, tokenizer_kind=recipe.tokenizer,
-                                corpus=corpus, vocab_size=recipe.vocab_size, **recipe.architecture)
+                                corpus=corpus, vocab_size=recipe.vocab_size, digit_group=recipe.digit_group,
+                                **recipe.architecture)
     policy = from_pretrained(directory, dtype=jnp.float32)
     ids, loss_mask = sft_examples(policy.tokenizer, problems)
     losses = train_sft(policy.model, ids, loss_mask, recipe, log_prefix=f"demo:{family}")

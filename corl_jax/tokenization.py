@@ -16,7 +16,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -176,14 +176,16 @@ _STYLES = {
 
 def build_tokenizer(directory: str | os.PathLike, kind: Literal["char", "bpe"], *,
                     style: Literal["chatml", "llama3"] = "chatml",
-                    corpus: Sequence[str] | None = None, vocab_size: int = 512,
+                    corpus: Sequence[str] | None = None, vocab_size: int = 512, digit_group: int = 1,
                     chat_template: bool = True):
     """Writes a small byte-level tokenizer that ``load_tokenizer`` reads back, and returns it.
 
     ``kind="char"``: every byte is a token (so is every printable ASCII character), no merges.
     ``kind="bpe"``: byte-level BPE trained on ``corpus`` up to ``vocab_size`` tokens.
-    Digits are always split one by one. ``style`` picks the special tokens and chat template of a
-    family; ``chat_template=False`` leaves the template out.
+    Numbers are pre-split into groups of at most ``digit_group`` digits: 1 splits digits one by one
+    (as Qwen's tokenizers do), 3 keeps up to three digits together (as Llama 3's do; BPE may then
+    learn whole numbers). ``style`` picks the special tokens and chat template of a family;
+    ``chat_template=False`` leaves the template out.
     """
     spec = _STYLES[style]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -196,8 +198,10 @@ def build_tokenizer(directory: str | os.PathLike, kind: Literal["char", "bpe"], 
         tokenizer = Tokenizer(models.BPE())
     else:
         raise ValueError(f"unknown tokenizer kind {kind!r}; use 'char' or 'bpe'")
+    if digit_group not in (1, 2, 3):
+        raise ValueError(f"digit_group={digit_group}; use 1 (single digits), 2 or 3 (Llama-3-style groups)")
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Split(Regex(rf"\d{{1,{digit_group}}}"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     if kind == "bpe":

@@ -73,7 +73,7 @@ def _build_once(directory: Path, build) -> Path:
 
 
 def build_random_checkpoint(directory, family: str, *, seed: int = 0, tokenizer_kind: str = "char",
-                            corpus=None, vocab_size: int = 512, **architecture) -> Path:
+                            corpus=None, vocab_size: int = 512, digit_group: int = 1, **architecture) -> Path:
     """Write a randomly initialised HF checkpoint of `family` (architecture fields overridable) to `directory`."""
     from flax import nnx
 
@@ -82,7 +82,7 @@ def build_random_checkpoint(directory, family: str, *, seed: int = 0, tokenizer_
 
     directory = Path(directory)
     tokenizer = build_tokenizer(directory, tokenizer_kind, style=CHAT_STYLE[family], corpus=corpus,
-                                vocab_size=vocab_size)
+                                vocab_size=vocab_size, digit_group=digit_group)
     hf = dict(TINY_ARCHITECTURES[family], **architecture)
     hf.update(vocab_size=-(-len(tokenizer) // 64) * 64, eos_token_id=tokenizer.eos_token_id,
               bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)

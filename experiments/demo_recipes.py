@@ -1,0 +1,124 @@
+"""Issue 6: which warm-start recipes make CPU-cheap demo bases of moderate accuracy.
+
+    python experiments/demo_recipes.py --out experiments/results/demo_recipes [--only NAME,...] [--parallel 16]
+
+Each candidate (`CANDIDATES`: a family and `demo_bases.Recipe` overrides) is built with
+`demo_bases.build_demo_base` in its own subprocess, then measured with `demo_bases.measure_accuracy` (one sample
+at T=0.6) on test problems of its training levels. Accuracy after a given number of SFT steps does not depend on
+the device (same float32 program), so the GPU can scan the grid; the seconds per step a 2-core CPU needs are
+measured separately (`--cpu-steps`, run on the CPU machine). Results: `<out>/recipes.json`, written as candidates
+finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ARCH = {
+    "q2_d96L3": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2),
+    "d64L2": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "ll_d128L2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1),
+    "q3_d80L4": dict(hidden_size=80, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32),
+}
+BPE_1 = dict(tokenizer="bpe", vocab_size=640, digit_group=1)
+BPE_3 = dict(tokenizer="bpe", vocab_size=1024, digit_group=3)
+L23 = dict(levels=(2, 3))
+
+
+def _candidates() -> dict[str, tuple[str, dict]]:
+    out = {}
+    for steps in (600, 1000, 1500):
+        out[f"qwen2-q2_d96L3-bpe1-s{steps}"] = ("qwen2", dict(architecture=ARCH["q2_d96L3"], steps=steps, **BPE_1, **L23))
+        out[f"llama-ll_d128L2-bpe3-s{steps}"] = ("llama", dict(architecture=ARCH["ll_d128L2"], steps=steps, **BPE_3, **L23))
+        out[f"qwen3-q3_d80L4-bpe1-s{steps}"] = ("qwen3", dict(architecture=ARCH["q3_d80L4"], steps=steps, **BPE_1, **L23))
+    for family, tok in (("qwen2", BPE_1), ("llama", BPE_3), ("qwen3", BPE_1)):
+        out[f"{family}-d64L2-{tok['tokenizer']}{tok['digit_group']}-s1000"] = (
+            family, dict(architecture=ARCH["d64L2"], steps=1000, **tok, **L23))
+    out["llama-ll_d128L2-bpe1-s1000"] = ("llama", dict(architecture=ARCH["ll_d128L2"], steps=1000, **BPE_1, **L23))
+    out["qwen2-q2_d96L3-bpe1-s1000-lr6e-3"] = ("qwen2", dict(architecture=ARCH["q2_d96L3"], steps=1000,
+                                                            learning_rate=6e-3, **BPE_1, **L23))
+    out["llama-ll_d128L2-bpe3-s1000-lr6e-3"] = ("llama", dict(architecture=ARCH["ll_d128L2"], steps=1000,
+                                                             learning_rate=6e-3, **BPE_3, **L23))
+    out["qwen3-q3_d80L4-bpe1-s1500-L234"] = ("qwen3", dict(architecture=ARCH["q3_d80L4"], steps=1500,
+                                                          levels=(2, 3, 4), **BPE_1))
+    return out
+
+
+CANDIDATES = _candidates()
+
+
+def run_candidate(name: str, num_test: int, workdir: Path) -> dict:
+    """Build and measure one candidate (in this process)."""
+    import jax
+
+    from corl_jax import arithmetic, demo_bases
+
+    family, overrides = CANDIDATES[name]
+    directory = workdir / name
+    record = demo_bases.build_demo_base(directory, family, **overrides)
+    levels = record["recipe"]["levels"]
+    test = arithmetic.generate("test", num_test, levels=levels)
+    correct = demo_bases.measure_accuracy(directory, test)
+    return dict(name=name, family=family, overrides={k: v for k, v in overrides.items()},
+                accuracy=round(float(correct.mean()), 4), num_test=num_test, levels=levels,
+                final_loss=round(record["sft_losses"][-1], 4), build_seconds=record["build_seconds"],
+                max_example_tokens=record["max_example_tokens"], device=str(jax.devices()[0].device_kind),
+                directory=str(directory), correct=correct.astype(int).tolist())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="experiments/results/demo_recipes")
+    parser.add_argument("--only", type=lambda s: s.split(","), default=list(CANDIDATES))
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--num-test", type=int, default=300)
+    parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="demo_recipes_"))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this candidate, print its JSON
+    args = parser.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_candidate(args.one, args.num_test, Path(args.workdir))), flush=True)
+        return
+    unknown = set(args.only) - set(CANDIDATES)
+    if unknown:
+        raise SystemExit(f"unknown candidates {sorted(unknown)}; known: {sorted(CANDIDATES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    payload = dict(command=" ".join(sys.argv), results=[], errors={})
+
+    def launch(name):
+        start = time.time()
+        proc = subprocess.run([sys.executable, __file__, f"--one={name}", f"--num-test={args.num_test}",
+                               f"--workdir={args.workdir}"], capture_output=True, text=True, env=env, cwd=REPO)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            return name, dict(error=proc.stderr[-1500:])
+        return name, dict(json.loads(lines[-1][len("RESULT "):]), wall_seconds=round(time.time() - start, 1))
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for future in as_completed([pool.submit(launch, name) for name in args.only]):
+            name, result = future.result()
+            if "error" in result:
+                payload["errors"][name] = result["error"]
+            else:
+                payload["results"].append(result)
+            print(name, {k: result.get(k) for k in ("accuracy", "final_loss", "build_seconds", "error")}, flush=True)
+            (out / "recipes.json").write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
