@@ -39,21 +39,18 @@ L23 = dict(levels=(2, 3))
 
 
 def _candidates() -> dict[str, tuple[str, dict]]:
+    """name -> (family, Recipe overrides, plus `max_value`: the arithmetic world's bound on expression numbers)."""
+    arch_of = {"qwen2": ("q2_d96L3", BPE_1), "llama": ("ll_d128L2", BPE_3), "qwen3": ("q3_d80L4", BPE_1)}
+    grid = [("llama", 16, 3000, 3e-3, None), ("llama", 16, 3000, 6e-3, None), ("llama", 16, 3000, 6e-3, 60),
+            ("llama", 8, 3000, 3e-3, None), ("qwen2", 16, 3000, 6e-3, None), ("qwen2", 16, 3000, 6e-3, 60),
+            ("qwen3", 16, 3000, 6e-3, None), ("qwen3", 16, 3000, 6e-3, 60), ("llama", 32, 2000, 6e-3, None),
+            ("qwen2", 32, 2000, 6e-3, None), ("llama", 16, 1500, 1e-2, None), ("qwen2", 16, 1500, 1e-2, None)]
     out = {}
-    for steps in (600, 1000, 1500):
-        out[f"qwen2-q2_d96L3-bpe1-s{steps}"] = ("qwen2", dict(architecture=ARCH["q2_d96L3"], steps=steps, **BPE_1, **L23))
-        out[f"llama-ll_d128L2-bpe3-s{steps}"] = ("llama", dict(architecture=ARCH["ll_d128L2"], steps=steps, **BPE_3, **L23))
-        out[f"qwen3-q3_d80L4-bpe1-s{steps}"] = ("qwen3", dict(architecture=ARCH["q3_d80L4"], steps=steps, **BPE_1, **L23))
-    for family, tok in (("qwen2", BPE_1), ("llama", BPE_3), ("qwen3", BPE_1)):
-        out[f"{family}-d64L2-{tok['tokenizer']}{tok['digit_group']}-s1000"] = (
-            family, dict(architecture=ARCH["d64L2"], steps=1000, **tok, **L23))
-    out["llama-ll_d128L2-bpe1-s1000"] = ("llama", dict(architecture=ARCH["ll_d128L2"], steps=1000, **BPE_1, **L23))
-    out["qwen2-q2_d96L3-bpe1-s1000-lr6e-3"] = ("qwen2", dict(architecture=ARCH["q2_d96L3"], steps=1000,
-                                                            learning_rate=6e-3, **BPE_1, **L23))
-    out["llama-ll_d128L2-bpe3-s1000-lr6e-3"] = ("llama", dict(architecture=ARCH["ll_d128L2"], steps=1000,
-                                                             learning_rate=6e-3, **BPE_3, **L23))
-    out["qwen3-q3_d80L4-bpe1-s1500-L234"] = ("qwen3", dict(architecture=ARCH["q3_d80L4"], steps=1500,
-                                                          levels=(2, 3, 4), **BPE_1))
+    for family, batch, steps, lr, max_value in grid:
+        arch, tok = arch_of[family]
+        name = f"{family}-{arch}-b{batch}-s{steps}-lr{lr:g}" + (f"-mv{max_value}" if max_value else "")
+        out[name] = (family, dict(architecture=ARCH[arch], batch_size=batch, steps=steps, learning_rate=lr,
+                                  max_value=max_value, **tok, **L23))
     return out
 
 
@@ -67,12 +64,14 @@ def run_candidate(name: str, num_test: int, workdir: Path) -> dict:
     from corl_jax import arithmetic, demo_bases
 
     family, overrides = CANDIDATES[name]
+    overrides = dict(overrides)
+    arithmetic.MAX_VALUE = overrides.pop("max_value") or arithmetic.MAX_VALUE
     directory = workdir / name
     record = demo_bases.build_demo_base(directory, family, **overrides)
     levels = record["recipe"]["levels"]
     test = arithmetic.generate("test", num_test, levels=levels)
     correct = demo_bases.measure_accuracy(directory, test)
-    return dict(name=name, family=family, overrides={k: v for k, v in overrides.items()},
+    return dict(name=name, family=family, overrides=overrides, max_value=arithmetic.MAX_VALUE,
                 accuracy=round(float(correct.mean()), 4), num_test=num_test, levels=levels,
                 final_loss=round(record["sft_losses"][-1], 4), build_seconds=record["build_seconds"],
                 max_example_tokens=record["max_example_tokens"], device=str(jax.devices()[0].device_kind),
@@ -86,6 +85,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--num-test", type=int, default=300)
     parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="demo_recipes_"))
+    parser.add_argument("--deadline", type=float, default=3600, help="stop (kill) candidates after this many s")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this candidate, print its JSON
     args = parser.parse_args()
     if args.one:
@@ -100,10 +100,15 @@ def main() -> None:
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     payload = dict(command=" ".join(sys.argv), results=[], errors={})
 
+    start = time.time()
+
     def launch(name):
-        start = time.time()
-        proc = subprocess.run([sys.executable, __file__, f"--one={name}", f"--num-test={args.num_test}",
-                               f"--workdir={args.workdir}"], capture_output=True, text=True, env=env, cwd=REPO)
+        try:
+            proc = subprocess.run([sys.executable, __file__, f"--one={name}", f"--num-test={args.num_test}",
+                                   f"--workdir={args.workdir}"], capture_output=True, text=True, env=env, cwd=REPO,
+                                  timeout=max(args.deadline - (time.time() - start), 1))
+        except subprocess.TimeoutExpired:
+            return name, dict(error=f"killed at the {args.deadline:.0f} s deadline")
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             return name, dict(error=proc.stderr[-1500:])
