@@ -40,7 +40,8 @@ class Recipe:
     architecture: HF config.json fields overriding `zoo.TINY_ARCHITECTURES[family]`.
     tokenizer: "char" (one token per byte) or "bpe" (trained on the SFT corpus up to `vocab_size` tokens);
         `digit_group` digits at most per number token (1 like Qwen, 3 like Llama 3).
-    num_examples / levels: how many `sft` problems, of which levels, drawn with `seed`.
+    num_examples / levels / word_fraction: how many `sft` problems, of which levels and share of word problems,
+        drawn with `seed`.
     steps, batch_size, learning_rate: the AdamW run (HF cosine schedule with 3% warmup, clip 1.0).
     seed: problems, initialisation and batch order.
     """
@@ -51,6 +52,7 @@ class Recipe:
     digit_group: int = 1
     num_examples: int = 20000
     levels: tuple[int, ...] = arithmetic.LEVELS
+    word_fraction: float = arithmetic.WORD_FRACTION
     steps: int = 3000
     batch_size: int = 32
     learning_rate: float = 3e-3
@@ -97,7 +99,8 @@ def build_demo_base(directory, family: str, **overrides) -> dict:
     start = time.time()
     logging.info("demo:%s: building the base once (%d SFT steps, %s tokenizer, %s) into %s", family, recipe.steps,
                  recipe.tokenizer, recipe.architecture, directory)
-    problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, levels=recipe.levels)
+    problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, levels=recipe.levels,
+                                   word_fraction=recipe.word_fraction)
     corpus = [text for p in problems for text in (build_prompt_text(p.text), p.rephrased, p.solution)]
     zoo.build_random_checkpoint(directory, family, seed=recipe.seed, tokenizer_kind=recipe.tokenizer,
                                 corpus=corpus, vocab_size=recipe.vocab_size, digit_group=recipe.digit_group,
@@ -144,7 +147,8 @@ def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *, 
             model = nnx.merge(graphdef, params)
             mask = batch_ids >= 0  # right padding is causal-invisible to the real tokens: attend everywhere
             positions = jnp.broadcast_to(jnp.arange(batch_ids.shape[1]), batch_ids.shape)
-            logits = model.logits(model(batch_ids[:, :-1], positions[:, :-1], mask[:, :-1]))
+            hidden = model(batch_ids[:, :-1], positions[:, :-1], mask[:, :-1], unroll_layers=True)  # faster on CPU
+            logits = model.logits(hidden)
             token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch_ids[:, 1:])
             weights = batch_loss_mask[:, 1:]
             return jnp.sum(token_loss * weights) / jnp.maximum(jnp.sum(weights), 1)

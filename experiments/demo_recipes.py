@@ -69,7 +69,7 @@ def run_candidate(name: str, num_test: int, workdir: Path) -> dict:
     directory = workdir / name
     record = demo_bases.build_demo_base(directory, family, **overrides)
     levels = record["recipe"]["levels"]
-    test = arithmetic.generate("test", num_test, levels=levels)
+    test = arithmetic.generate("test", num_test, levels=levels, word_fraction=record["recipe"]["word_fraction"])
     correct = demo_bases.measure_accuracy(directory, test)
     return dict(name=name, family=family, overrides=overrides, max_value=arithmetic.MAX_VALUE,
                 accuracy=round(float(correct.mean()), 4), num_test=num_test, levels=levels,

@@ -309,3 +309,9 @@ def test_arithmetic_rows_through_the_file_loader(tmp_path):
     assert all(p.solution is None for p in test)
     direct = load_problems("arithmetic:test")
     assert len(direct) == arithmetic.DEFAULT_SIZES["test"] and direct[0].source == "arithmetic:test"
+    easy = load_problems("arithmetic:test:2,3")
+    assert [p.text for p in easy] == [i.text for i in arithmetic.generate_items("test", len(easy), levels=(2, 3))]
+    for bad, problem in [("arithmetic:tset", "unknown arithmetic split"), ("arithmetic:rl:1,2", "subset of"),
+                         ("arithmetic:rl:two", "invalid literal")]:
+        with pytest.raises(DataError, match=f"{problem}.*Fix: use 'arithmetic"):
+            load_problems(bad)

@@ -286,11 +286,26 @@ def test_build_tokenizer_round_trips(tmp_path, kind, style):
         assert len(trained) < len("The answer is")
 
 
+def test_build_tokenizer_digit_groups(tmp_path):
+    """digit_group=3 keeps up to three digits per pre-token (Llama 3), so BPE can learn whole numbers; 1 never can."""
+    for group in (1, 3):
+        tokenizer = tk.build_tokenizer(tmp_path / str(group), "bpe", corpus=CORPUS, vocab_size=600, digit_group=group)
+        pieces = tokenizer.convert_ids_to_tokens(tokenizer("12 + 259 = 1234567", add_special_tokens=False)["input_ids"])
+        numbers = [p.lstrip("Ġ") for p in pieces if p.lstrip("Ġ").isdigit()]
+        if group == 1:
+            assert numbers == list("122591234567")
+        else:
+            assert "".join(numbers) == "122591234567" and max(map(len, numbers)) == 3
+            assert "259" in numbers  # seen in the corpus as one number
+
+
 def test_build_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="needs a non-empty corpus"):
         tk.build_tokenizer(tmp_path, "bpe")
     with pytest.raises(ValueError, match="unknown tokenizer kind"):
         tk.build_tokenizer(tmp_path, "word")
+    with pytest.raises(ValueError, match="digit_group=4"):
+        tk.build_tokenizer(tmp_path, "char", digit_group=4)
 
 
 # --- The real SmolLM2-135M-Instruct ---

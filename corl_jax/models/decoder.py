@@ -291,8 +291,10 @@ def _fused_attention(q, k, v, mask, implementation="cudnn"):
 
 
 def _mlp(x, p, c: ModelConfig):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), as 2-D matmuls over the flattened tokens (the same math as the
+    [B, T, D] einsums; on XLA:CPU it avoids transposed copies in the backward pass, ~20% of a tiny model's step)."""
     dt = c.dtype
-    gate = jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt))
-    up = jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt))
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
+    tokens = x.reshape(-1, x.shape[-1])
+    gate = tokens @ p["gate_proj"].astype(dt)
+    up = tokens @ p["up_proj"].astype(dt)
+    return ((jax.nn.silu(gate) * up) @ p["down_proj"].astype(dt)).reshape(x.shape)
