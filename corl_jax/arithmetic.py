@@ -2,7 +2,7 @@
 
 Two kinds of problem, each a chain of 2-5 integer operations (its `level`):
   * expressions such as "(17 + 5) * 3 - 8": a random tree whose every intermediate value is a whole number in
-    [1, MAX_VALUE];
+    [1, max_value] (MAX_VALUE by default; a smaller bound makes an easier world);
   * word problems from templates (shopping, sharing, ages, rates, ...).
 Every problem has a second surface form with the same answer (other words, other operand order) for Different
 family+, and a worked solution ending in \\boxed{answer}.
@@ -89,12 +89,16 @@ def split_of(canonical: str) -> str:
 
 
 def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LEVELS,
-                   word_fraction: float = WORD_FRACTION) -> list[Item]:
+                   word_fraction: float = WORD_FRACTION, max_value: int = MAX_VALUE) -> list[Item]:
     """`n` distinct problems of `split`, the same for the same arguments."""
     if split not in SPLITS:
         raise ValueError(f"unknown arithmetic split {split!r}; use one of {SPLITS}")
     if not levels or not set(levels) <= set(LEVELS):
         raise ValueError(f"levels {tuple(levels)} must be a non-empty subset of {LEVELS}")
+    if not 10 <= max_value <= MAX_VALUE:
+        raise ValueError(f"max_value={max_value} must lie in [10, {MAX_VALUE}]")
+    if not 0 <= word_fraction <= 1:
+        raise ValueError(f"word_fraction={word_fraction} must lie in [0, 1]")
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     items: list[Item] = []
     seen: set[str] = set()
@@ -106,7 +110,7 @@ def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LE
         if templates and rng.random() < word_fraction:
             item = templates[int(rng.integers(len(templates)))](rng)
         else:
-            item = _expression_item(rng, level)
+            item = _expression_item(rng, level, max_value)
         if split_of(item.canonical) == split and item.canonical not in seen:
             seen.add(item.canonical)
             items.append(item)
@@ -115,21 +119,22 @@ def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LE
 
 
 def generate(split: str = "rl", n: int | None = None, seed: int = 0, levels: Sequence[int] = LEVELS,
-             word_fraction: float = WORD_FRACTION) -> list[Problem]:
+             word_fraction: float = WORD_FRACTION, max_value: int = MAX_VALUE) -> list[Problem]:
     """The split as Problem rows (ids 0..n-1); `n` defaults to DEFAULT_SIZES[split]."""
     n = DEFAULT_SIZES.get(split, 0) if n is None else n
-    return [item.problem(i, split) for i, item in enumerate(generate_items(split, n, seed, levels, word_fraction))]
+    items = generate_items(split, n, seed, levels, word_fraction, max_value)
+    return [item.problem(i, split) for i, item in enumerate(items)]
 
 
-def write_splits(out_dir: str, sizes: Mapping[str, int] = DEFAULT_SIZES, seed: int = 0,
-                 levels: Sequence[int] = LEVELS, word_fraction: float = WORD_FRACTION) -> dict[str, str]:
-    """Write each split to `<out_dir>/<split>.jsonl` (fields prompt, answer, rephrased, solution, kind, level)."""
+def write_splits(out_dir: str, sizes: Mapping[str, int] = DEFAULT_SIZES, seed: int = 0, **world) -> dict[str, str]:
+    """Write each split to `<out_dir>/<split>.jsonl` (fields prompt, answer, rephrased, solution, kind, level);
+    `world`: `generate_items`' levels / word_fraction / max_value."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
     for split, n in sizes.items():
         paths[split] = os.path.join(out_dir, f"{split}.jsonl")
         with open(paths[split], "w", encoding="utf-8") as f:
-            for item in generate_items(split, n, seed, levels, word_fraction):
+            for item in generate_items(split, n, seed, **world):
                 row = {"prompt": item.text, "answer": str(item.answer), "rephrased": item.rephrased,
                        "kind": item.kind, "level": item.level}
                 if split == "sft":
@@ -142,12 +147,12 @@ def write_splits(out_dir: str, sizes: Mapping[str, int] = DEFAULT_SIZES, seed: i
 # A tree is an int (a leaf) or a tuple (op, left, right).
 
 
-def _expression_item(rng: np.random.Generator, n_ops: int) -> Item:
-    tree = _int(rng, 2, 99)
+def _expression_item(rng: np.random.Generator, n_ops: int, max_value: int) -> Item:
+    tree = _int(rng, 2, min(99, max_value))
     for _ in range(n_ops):
         paths = list(_leaf_paths(tree))
         path = paths[int(rng.integers(len(paths)))]
-        tree = _replace(tree, path, _split_value(rng, _subtree(tree, path)))
+        tree = _replace(tree, path, _split_value(rng, _subtree(tree, path), max_value))
     expression = _render(tree, symbols=True)
     spoken = _render(_commuted(tree), symbols=False)
     text = [f"Compute {expression}.", f"Evaluate {expression}.", f"Calculate {expression}."][int(rng.integers(3))]
@@ -156,21 +161,21 @@ def _expression_item(rng: np.random.Generator, n_ops: int) -> Item:
                 canonical=f"expression:{_canonical(tree)}", expression=expression)
 
 
-def _split_value(rng: np.random.Generator, value: int):
-    """An operation whose result is `value`, with whole operands in [1, MAX_VALUE]."""
+def _split_value(rng: np.random.Generator, value: int, max_value: int):
+    """An operation whose result is `value`, with whole operands in [1, max_value]."""
     choices = []
     if value >= 2:
         a = _int(rng, 1, value - 1)
         choices.append(("+", a, value - a))
     b = _int(rng, 1, 20)
-    if value + b <= MAX_VALUE:
+    if value + b <= max_value:
         choices.append(("-", value + b, b))
     divisors = [d for d in range(2, value // 2 + 1) if value % d == 0]
     if divisors:
         d = divisors[int(rng.integers(len(divisors)))]
         choices.append(("*", d, value // d))
     b = _int(rng, 2, 9)
-    if value * b <= MAX_VALUE:
+    if value * b <= max_value:
         choices.append(("/", value * b, b))
     return choices[int(rng.integers(len(choices)))]
 

@@ -4,8 +4,9 @@ Sources, named by one string (`config.data.train_path` / `eval_path`):
   * a file: `*.json` (a JSON array of objects), `*.jsonl`, `*.parquet`;
   * `hf:<name>[:split]`: a Hugging Face dataset (needs `datasets` and, for a hub name, the hub);
   * `tfds:<name>[:split]`: a prepared TFDS builder, read through `tfds.data_source` (array_record builders);
-  * `arithmetic[:split[:levels]]`: the synthetic arithmetic world (`corl_jax.arithmetic`; split `rl` and all levels
-    by default; levels comma-separated, e.g. `arithmetic:test:2,3`).
+  * `arithmetic[:split][?setting=value&...]`: the synthetic arithmetic world (`corl_jax.arithmetic`; split `rl` by
+    default; settings `levels` (comma-separated), `word_fraction`, `max_value`, e.g.
+    `arithmetic:test?levels=2,3&max_value=60`).
 
 Rows become `Problem`s: the problem text, the gold answer (never used by a label-free reward) and, where the row has
 one, a rephrased text of the same problem (Different family+). `PromptStream` is the single shuffled order of
@@ -52,16 +53,24 @@ class Problem:
 # ----------------------------------------------------------------------------------------------------------- reading
 
 
-def _arithmetic_problems(spec: str, split: str = "", levels: str = "") -> list[Problem]:
-    """`arithmetic[:split[:levels]]` (see the module docstring)."""
+def _arithmetic_problems(spec: str) -> list[Problem]:
+    """`arithmetic[:split][?setting=value&...]` (see the module docstring)."""
+    from urllib.parse import parse_qsl
+
     from corl_jax import arithmetic
 
+    source, _, query = spec.partition("?")
+    split = source.partition(":")[2] or "rl"
+    types = {"levels": lambda v: tuple(int(x) for x in v.split(",")), "word_fraction": float, "max_value": int}
+    fix = (f"Fix: use 'arithmetic[:split][?setting=value&...]' with a split of {arithmetic.SPLITS} and settings "
+           f"{sorted(types)}, e.g. 'arithmetic:test?levels=2,3&max_value=60'")
     try:
-        level_tuple = tuple(int(x) for x in levels.split(",")) if levels else arithmetic.LEVELS
-        return arithmetic.generate(split or "rl", levels=level_tuple)
+        settings = {key: types[key](value) for key, value in parse_qsl(query, strict_parsing=bool(query))}
+        return arithmetic.generate(split, **settings)
+    except KeyError as e:
+        raise DataError(f"{spec}: unknown setting {e}. {fix}") from e
     except ValueError as e:
-        raise DataError(f"{spec}: {e}. Fix: use 'arithmetic[:split[:levels]]' with a split of {arithmetic.SPLITS} "
-                        f"and comma-separated levels from {arithmetic.LEVELS}, e.g. 'arithmetic:test:2,3'") from e
+        raise DataError(f"{spec}: {e}. {fix}") from e
 
 
 def load_rows(spec: str) -> list[Mapping[str, Any]]:
@@ -164,9 +173,8 @@ def load_problems(spec: str, *, question_field: str = "", answer_field: str = ""
     an empty one raises a DataError naming the source, the row and the field, or with `skip_bad_rows` is dropped
     and counted in a warning. Problem ids are row indices, so skipping never renumbers the other rows.
     """
-    scheme, _, rest = spec.partition(":")
-    if scheme == "arithmetic":
-        return _arithmetic_problems(spec, *rest.split(":", 1))
+    if spec.partition(":")[0].partition("?")[0] == "arithmetic":
+        return _arithmetic_problems(spec)
     rows = load_rows(spec)
     if not rows:
         raise DataError(f"{spec}: has no rows. Fix: point the path at a non-empty dataset")

@@ -40,8 +40,8 @@ class Recipe:
     architecture: HF config.json fields overriding `zoo.TINY_ARCHITECTURES[family]`.
     tokenizer: "char" (one token per byte) or "bpe" (trained on the SFT corpus up to `vocab_size` tokens);
         `digit_group` digits at most per number token (1 like Qwen, 3 like Llama 3).
-    num_examples / levels / word_fraction: how many `sft` problems, of which levels and share of word problems,
-        drawn with `seed`.
+    num_examples / levels / word_fraction / max_value: how many `sft` problems, from which arithmetic world
+        (`arithmetic.generate_items`), drawn with `seed`.
     steps, batch_size, learning_rate: the AdamW run (HF cosine schedule with 3% warmup, clip 1.0).
     seed: problems, initialisation and batch order.
     """
@@ -53,10 +53,16 @@ class Recipe:
     num_examples: int = 20000
     levels: tuple[int, ...] = arithmetic.LEVELS
     word_fraction: float = arithmetic.WORD_FRACTION
+    max_value: int = arithmetic.MAX_VALUE
     steps: int = 3000
     batch_size: int = 32
     learning_rate: float = 3e-3
     seed: int = 0
+
+    @property
+    def world(self) -> dict:
+        """The arithmetic world's settings (`arithmetic.generate` keywords) of the SFT problems."""
+        return dict(levels=self.levels, word_fraction=self.word_fraction, max_value=self.max_value)
 
 
 # Test accuracy (200 problems, T=0.6) of these recipes by SFT steps, measured on a GPU (random batches of 32):
@@ -99,8 +105,7 @@ def build_demo_base(directory, family: str, **overrides) -> dict:
     start = time.time()
     logging.info("demo:%s: building the base once (%d SFT steps, %s tokenizer, %s) into %s", family, recipe.steps,
                  recipe.tokenizer, recipe.architecture, directory)
-    problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, levels=recipe.levels,
-                                   word_fraction=recipe.word_fraction)
+    problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, **recipe.world)
     corpus = [text for p in problems for text in (build_prompt_text(p.text), p.rephrased, p.solution)]
     zoo.build_random_checkpoint(directory, family, seed=recipe.seed, tokenizer_kind=recipe.tokenizer,
                                 corpus=corpus, vocab_size=recipe.vocab_size, digit_group=recipe.digit_group,
@@ -162,7 +167,7 @@ def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *, 
     losses, start = [], time.time()
     for i in range(recipe.steps):
         rows = rng.choice(len(ids), size=min(recipe.batch_size, len(ids)), replace=False)
-        width = bucket_length(int(lengths[rows].max()), 64)  # a few shapes compile; short batches cost less
+        width = bucket_length(int(lengths[rows].max()), 32)  # a few shapes compile; short batches cost less
         params, opt_state, loss = step(params, opt_state, ids[rows, :width], loss_mask[rows, :width])
         losses.append(float(loss))
         if i % log_every == 0 or i == recipe.steps - 1:

@@ -5,14 +5,14 @@
 Each candidate (`CANDIDATES`: a family and `demo_bases.Recipe` overrides) is built with
 `demo_bases.build_demo_base` in its own subprocess, then measured with `demo_bases.measure_accuracy` (one sample
 at T=0.6) on test problems of its training levels. Accuracy after a given number of SFT steps does not depend on
-the device (same float32 program), so the GPU can scan the grid; the seconds per step a 2-core CPU needs are
-measured separately (`--cpu-steps`, run on the CPU machine). Results: `<out>/recipes.json`, written as candidates
-finish.
+the device (same float32 program), so the GPU can scan the grid; the `cpu-*` candidates are sized for, and timed
+on, a 2-core CPU (`build_seconds`). Results: `<out>/recipes.json`, written as candidates finish.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,6 +32,8 @@ ARCH = {
                       num_key_value_heads=1),
     "q3_d80L4": dict(hidden_size=80, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32),
+    "d64L4": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
 }
 BPE_1 = dict(tokenizer="bpe", vocab_size=640, digit_group=1)
 BPE_3 = dict(tokenizer="bpe", vocab_size=1024, digit_group=3)
@@ -39,7 +41,7 @@ L23 = dict(levels=(2, 3))
 
 
 def _candidates() -> dict[str, tuple[str, dict]]:
-    """name -> (family, Recipe overrides, plus `max_value`: the arithmetic world's bound on expression numbers)."""
+    """name -> (family, `demo_bases.Recipe` overrides)."""
     arch_of = {"qwen2": ("q2_d96L3", BPE_1), "llama": ("ll_d128L2", BPE_3), "qwen3": ("q3_d80L4", BPE_1)}
     grid = [("llama", 16, 3000, 3e-3, None), ("llama", 16, 3000, 6e-3, None), ("llama", 16, 3000, 6e-3, 60),
             ("llama", 8, 3000, 3e-3, None), ("qwen2", 16, 3000, 6e-3, None), ("qwen2", 16, 3000, 6e-3, 60),
@@ -50,7 +52,13 @@ def _candidates() -> dict[str, tuple[str, dict]]:
         arch, tok = arch_of[family]
         name = f"{family}-{arch}-b{batch}-s{steps}-lr{lr:g}" + (f"-mv{max_value}" if max_value else "")
         out[name] = (family, dict(architecture=ARCH[arch], batch_size=batch, steps=steps, learning_rate=lr,
-                                  max_value=max_value, **tok, **L23))
+                                  **({"max_value": max_value} if max_value else {}), **tok, **L23))
+    # CPU-sized: expression problems only (shorter sequences), small numbers, batch 32.
+    for family, arch, tok, max_value in (("qwen3", "d64L4", BPE_1, 30), ("qwen3", "d64L4", BPE_1, 60),
+                                         ("llama", "d64L2", BPE_3, 60)):
+        out[f"cpu-{family}-{arch}-mv{max_value}-s1500"] = (family, dict(
+            architecture=ARCH[arch], batch_size=32, steps=1500, learning_rate=6e-3, word_fraction=0.0,
+            max_value=max_value, **tok, **L23))
     return out
 
 
@@ -64,15 +72,13 @@ def run_candidate(name: str, num_test: int, workdir: Path) -> dict:
     from corl_jax import arithmetic, demo_bases
 
     family, overrides = CANDIDATES[name]
-    overrides = dict(overrides)
-    arithmetic.MAX_VALUE = overrides.pop("max_value") or arithmetic.MAX_VALUE
     directory = workdir / name
     record = demo_bases.build_demo_base(directory, family, **overrides)
-    levels = record["recipe"]["levels"]
-    test = arithmetic.generate("test", num_test, levels=levels, word_fraction=record["recipe"]["word_fraction"])
+    recipe = dataclasses.replace(demo_bases.RECIPES[family], **overrides)
+    test = arithmetic.generate("test", num_test, **recipe.world)
     correct = demo_bases.measure_accuracy(directory, test)
-    return dict(name=name, family=family, overrides=overrides, max_value=arithmetic.MAX_VALUE,
-                accuracy=round(float(correct.mean()), 4), num_test=num_test, levels=levels,
+    return dict(name=name, family=family, overrides=overrides, world=recipe.world,
+                accuracy=round(float(correct.mean()), 4), num_test=num_test,
                 final_loss=round(record["sft_losses"][-1], 4), build_seconds=record["build_seconds"],
                 max_example_tokens=record["max_example_tokens"], device=str(jax.devices()[0].device_kind),
                 directory=str(directory), correct=correct.astype(int).tolist())

@@ -309,9 +309,13 @@ def test_arithmetic_rows_through_the_file_loader(tmp_path):
     assert all(p.solution is None for p in test)
     direct = load_problems("arithmetic:test")
     assert len(direct) == arithmetic.DEFAULT_SIZES["test"] and direct[0].source == "arithmetic:test"
-    easy = load_problems("arithmetic:test:2,3")
-    assert [p.text for p in easy] == [i.text for i in arithmetic.generate_items("test", len(easy), levels=(2, 3))]
-    for bad, problem in [("arithmetic:tset", "unknown arithmetic split"), ("arithmetic:rl:1,2", "subset of"),
-                         ("arithmetic:rl:two", "invalid literal")]:
+    easy = load_problems("arithmetic:test?levels=2,3&word_fraction=0&max_value=30")
+    items = arithmetic.generate_items("test", len(easy), levels=(2, 3), word_fraction=0, max_value=30)
+    assert [p.text for p in easy] == [i.text for i in items]
+    assert {i.level for i in items} == {2, 3} and {i.kind for i in items} == {"expression"}
+    assert max(max(s.left, s.right, s.value) for i in items for s in i.steps) <= 30
+    for bad, problem in [("arithmetic:tset", "unknown arithmetic split"), ("arithmetic:rl?levels=1,2", "subset of"),
+                         ("arithmetic:rl?levels=two", "invalid literal"), ("arithmetic?level=2", "unknown setting"),
+                         ("arithmetic?max_value=5", r"max_value=5 must lie"), ("arithmetic?levels", "bad query")]:
         with pytest.raises(DataError, match=f"{problem}.*Fix: use 'arithmetic"):
             load_problems(bad)
