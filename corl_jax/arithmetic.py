@@ -29,6 +29,9 @@ SPLIT_SHARES = (0.5, 0.3, 0.2)  # share of the canonical problem space that belo
 DEFAULT_SIZES = {"sft": 4000, "rl": 2000, "test": 500}
 LEVELS = (2, 3, 4, 5)
 MAX_VALUE = 200  # bound on every number in an expression, leaves and intermediate values alike
+# The easier world of the embedded CPU demo (`configs/*.py:demo`): short expressions with small numbers, which
+# bases of ~100k parameters learn in about two CPU minutes (experiments/results/demo_recipes/).
+DEMO_WORLD = dict(levels=(2, 3), word_fraction=0.0, max_value=60)
 WORD_FRACTION = 0.5
 OPS: dict[str, Callable[[int, int], int]] = {
     "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a // b}
@@ -124,6 +127,13 @@ def generate(split: str = "rl", n: int | None = None, seed: int = 0, levels: Seq
     n = DEFAULT_SIZES.get(split, 0) if n is None else n
     items = generate_items(split, n, seed, levels, word_fraction, max_value)
     return [item.problem(i, split) for i, item in enumerate(items)]
+
+
+def source(split: str, world: Mapping | None = None) -> str:
+    """The data-source string of `split` in `world` (`generate` keywords), e.g. `source("rl", DEMO_WORLD)` ->
+    'arithmetic:rl?levels=2,3&word_fraction=0.0&max_value=60' (parsed by `corl_jax.data`)."""
+    settings = [f"{k}={','.join(map(str, v)) if k == 'levels' else v}" for k, v in (world or {}).items()]
+    return f"arithmetic:{split}" + ("?" + "&".join(settings) if settings else "")
 
 
 def write_splits(out_dir: str, sizes: Mapping[str, int] = DEFAULT_SIZES, seed: int = 0, **world) -> dict[str, str]:

@@ -4,8 +4,8 @@ Each family gets its own architecture, size, tokenizer and seed (`RECIPES`), and
 fine-tuning (SFT) of a random init on the `sft` split of `corl_jax.arithmetic`: the chat prompt exactly as RL will
 present it (`chat_prompt(tokenizer, problem.text)`), then the worked solution and the EOS token, with the loss on
 the solution tokens only. The result is an ordinary HF checkpoint directory, built once into
-`<cache_root()>/zoo/demo-<family>` and loaded by `from_pretrained` like any real model; `demo_base.json` in it
-records the recipe, the SFT loss curve and the build time.
+`<cache_root()>/zoo/demo-<family>-<recipe hash>` and loaded by `from_pretrained` like any real model;
+`demo_base.json` in it records the recipe, the SFT loss curve and the build time.
 
 `python -m corl_jax.demo_bases [--families=qwen2,llama --num_test=500]` builds the bases and prints each one's
 held-out accuracy and the Cohen's kappa of their per-problem correctness (their error overlap).
@@ -14,6 +14,7 @@ held-out accuracy and the Cohen's kappa of their per-problem correctness (their 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -23,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging
 from flax import nnx
+from tqdm import tqdm
 
 from corl_jax import arithmetic, zoo
 from corl_jax.optim import make_optimizer
@@ -51,9 +52,9 @@ class Recipe:
     vocab_size: int = 512
     digit_group: int = 1
     num_examples: int = 20000
-    levels: tuple[int, ...] = arithmetic.LEVELS
-    word_fraction: float = arithmetic.WORD_FRACTION
-    max_value: int = arithmetic.MAX_VALUE
+    levels: tuple[int, ...] = arithmetic.DEMO_WORLD["levels"]
+    word_fraction: float = arithmetic.DEMO_WORLD["word_fraction"]
+    max_value: int = arithmetic.DEMO_WORLD["max_value"]
     steps: int = 3000
     batch_size: int = 32
     learning_rate: float = 3e-3
@@ -65,29 +66,33 @@ class Recipe:
         return dict(levels=self.levels, word_fraction=self.word_fraction, max_value=self.max_value)
 
 
-# Test accuracy (200 problems, T=0.6) of these recipes by SFT steps, measured on a GPU (random batches of 32):
-#   qwen2 (char):     3000 steps 29%
-#   llama (BPE 384):  1000 steps 2%, 3000 steps 40%, 6000 steps 55%
-#   qwen3 (BPE 640):  1000 steps 11%, 3000 steps 70%  (2000 chosen to land inside 20-60%)
-# Copying the operands out of the prompt is learnt late (between 1000 and 3000 steps); before that the
-# bases write well-formed solutions with wrong numbers.
+# Sized for a 2-core CPU on the demo world (`arithmetic.DEMO_WORLD`). Measured with experiments/demo_recipes.py
+# (300 test problems, one sample at T=0.6; 2-core CPU seconds for the whole build): a Qwen3-style 64-wide
+# 4-layer model reaches 69% after 1500 steps (194 s), a Llama-style 64-wide 2-layer one 22% (100 s). On the
+# full world (word problems, numbers to 200) the same budget gives 1-20%: copying multi-digit operands is learnt
+# late, so the demo world is the easier one.
+_HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
 RECIPES = {
-    "qwen2": Recipe(architecture=dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2),
-                    tokenizer="char", num_examples=20000, steps=3000, seed=1),
-    "llama": Recipe(architecture=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=1),
-                    tokenizer="bpe", vocab_size=384, num_examples=20000, steps=3000, seed=2),
-    "qwen3": Recipe(architecture=dict(hidden_size=80, intermediate_size=192, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-                    tokenizer="bpe", vocab_size=640, num_examples=20000, steps=2000, seed=3),
+    "qwen2": Recipe(architecture=dict(hidden_size=80, intermediate_size=192, num_hidden_layers=2, **_HEADS),
+                    tokenizer="bpe", vocab_size=384, steps=1500, seed=1),
+    "llama": Recipe(architecture=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, **_HEADS),
+                    tokenizer="bpe", vocab_size=1024, digit_group=3, steps=1500, seed=2),
+    "qwen3": Recipe(architecture=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, head_dim=16,
+                                      **_HEADS),
+                    tokenizer="bpe", vocab_size=640, steps=1000, seed=3),
 }
+
+
+def recipe_key(recipe: Recipe) -> str:
+    """A short hash of a recipe: the cache directory changes whenever the recipe does."""
+    return hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:10]
 
 
 def demo_base_dir(family: str) -> Path:
     """The cached checkpoint directory of `family`'s base, built (atomically) on first use."""
     zoo._check_family(f"demo:{family}", family)
-    return zoo._build_once(zoo.cache_root() / "zoo" / f"demo-{family}", lambda d: build_demo_base(d, family))
+    directory = zoo.cache_root() / "zoo" / f"demo-{family}-{recipe_key(RECIPES[family])}"
+    return zoo._build_once(directory, lambda d: build_demo_base(d, family))
 
 
 def build_all(families: Sequence[str] = zoo.FAMILIES) -> dict[str, Path]:
@@ -103,8 +108,8 @@ def build_demo_base(directory, family: str, **overrides) -> dict:
 
     recipe = dataclasses.replace(RECIPES[family], **overrides)
     start = time.time()
-    logging.info("demo:%s: building the base once (%d SFT steps, %s tokenizer, %s) into %s", family, recipe.steps,
-                 recipe.tokenizer, recipe.architecture, directory)
+    tqdm.write(f"demo:{family}: building the base once ({recipe.steps} SFT steps, {recipe.tokenizer} tokenizer, "
+               f"{recipe.architecture}) into {directory}")
     problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, **recipe.world)
     corpus = [text for p in problems for text in (build_prompt_text(p.text), p.rephrased, p.solution)]
     zoo.build_random_checkpoint(directory, family, seed=recipe.seed, tokenizer_kind=recipe.tokenizer,
@@ -117,7 +122,7 @@ def build_demo_base(directory, family: str, **overrides) -> dict:
     record = dict(family=family, recipe=dataclasses.asdict(recipe), max_example_tokens=int(ids.shape[1]),
                   sft_losses=losses, build_seconds=round(time.time() - start, 1))
     (Path(directory) / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    logging.info("demo:%s: SFT loss %.3f -> %.3f in %.0f s", family, losses[0], losses[-1], record["build_seconds"])
+    tqdm.write(f"demo:{family}: SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} in {record['build_seconds']:.0f} s")
     return record
 
 
@@ -139,8 +144,8 @@ def sft_examples(tokenizer, problems) -> tuple[np.ndarray, np.ndarray]:
     return ids, loss_mask
 
 
-def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *, log_prefix: str = "sft",
-              log_every: int = 100) -> list[float]:
+def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *,
+              log_prefix: str = "sft") -> list[float]:
     """Fine-tune `model` in place on (ids, loss_mask) rows (see `sft_examples`); returns the loss of each step."""
     optimizer = make_optimizer(recipe.learning_rate, recipe.steps, weight_decay=0.01)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -164,15 +169,16 @@ def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *, 
 
     lengths = loss_mask.shape[1] - np.argmax(loss_mask[:, ::-1], axis=1)  # one past each row's EOS
     rng = np.random.default_rng(recipe.seed)
-    losses, start = [], time.time()
-    for i in range(recipe.steps):
-        rows = rng.choice(len(ids), size=min(recipe.batch_size, len(ids)), replace=False)
-        width = bucket_length(int(lengths[rows].max()), 32)  # a few shapes compile; short batches cost less
-        params, opt_state, loss = step(params, opt_state, ids[rows, :width], loss_mask[rows, :width])
-        losses.append(float(loss))
-        if i % log_every == 0 or i == recipe.steps - 1:
-            logging.info("%s: SFT step %d/%d, loss %.3f, %.0f s", log_prefix, i + 1, recipe.steps, losses[-1],
-                         time.time() - start)
+    losses = []
+    with tqdm(total=recipe.steps, desc=f"{log_prefix}: SFT", mininterval=2.0) as bar:
+        for i in range(recipe.steps):
+            rows = rng.choice(len(ids), size=min(recipe.batch_size, len(ids)), replace=False)
+            width = bucket_length(int(lengths[rows].max()), 32)  # a few shapes compile; short batches cost less
+            params, opt_state, loss = step(params, opt_state, ids[rows, :width], loss_mask[rows, :width])
+            losses.append(float(loss))
+            bar.update()
+            if i % 50 == 0:
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     nnx.update(model, params)
     return losses
 
@@ -204,7 +210,7 @@ def report(families: Sequence[str] = zoo.FAMILIES, num_test: int = arithmetic.DE
     their per-problem correctness at T=0.6; returns {(family, temperature): correctness [num_test]}."""
     from corl_jax.voting import cohens_kappa
 
-    test = arithmetic.generate("test", num_test)
+    test = arithmetic.generate("test", num_test, **arithmetic.DEMO_WORLD)
     correct = {}
     for family, directory in build_all(families).items():
         record = json.loads((directory / RECORD_FILE).read_text())

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from corl_jax import arithmetic  # noqa: E402
 ARCH = {
     "q2_d96L3": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                      num_key_value_heads=2),
@@ -37,7 +39,7 @@ ARCH = {
 }
 BPE_1 = dict(tokenizer="bpe", vocab_size=640, digit_group=1)
 BPE_3 = dict(tokenizer="bpe", vocab_size=1024, digit_group=3)
-L23 = dict(levels=(2, 3))
+L23 = dict(levels=(2, 3), word_fraction=0.5, max_value=200)  # the full world's problems at levels 2-3
 
 
 def _candidates() -> dict[str, tuple[str, dict]]:
@@ -52,13 +54,13 @@ def _candidates() -> dict[str, tuple[str, dict]]:
         arch, tok = arch_of[family]
         name = f"{family}-{arch}-b{batch}-s{steps}-lr{lr:g}" + (f"-mv{max_value}" if max_value else "")
         out[name] = (family, dict(architecture=ARCH[arch], batch_size=batch, steps=steps, learning_rate=lr,
-                                  **({"max_value": max_value} if max_value else {}), **tok, **L23))
+                                  **tok, **dict(L23, max_value=max_value or 200)))
     # CPU-sized: expression problems only (shorter sequences), small numbers, batch 32.
     for family, arch, tok, max_value in (("qwen3", "d64L4", BPE_1, 30), ("qwen3", "d64L4", BPE_1, 60),
                                          ("llama", "d64L2", BPE_3, 60)):
         out[f"cpu-{family}-{arch}-mv{max_value}-s1500"] = (family, dict(
-            architecture=ARCH[arch], batch_size=32, steps=1500, learning_rate=6e-3, word_fraction=0.0,
-            max_value=max_value, **tok, **L23))
+            architecture=ARCH[arch], batch_size=32, steps=1500, learning_rate=6e-3, **tok,
+            **dict(arithmetic.DEMO_WORLD, max_value=max_value)))
     return out
 
 
@@ -69,7 +71,7 @@ def run_candidate(name: str, num_test: int, workdir: Path) -> dict:
     """Build and measure one candidate (in this process)."""
     import jax
 
-    from corl_jax import arithmetic, demo_bases
+    from corl_jax import demo_bases
 
     family, overrides = CANDIDATES[name]
     directory = workdir / name
@@ -81,7 +83,7 @@ def run_candidate(name: str, num_test: int, workdir: Path) -> dict:
                 accuracy=round(float(correct.mean()), 4), num_test=num_test,
                 final_loss=round(record["sft_losses"][-1], 4), build_seconds=record["build_seconds"],
                 max_example_tokens=record["max_example_tokens"], device=str(jax.devices()[0].device_kind),
-                directory=str(directory), correct=correct.astype(int).tolist())
+                directory=str(directory), correct="".join("01"[int(c)] for c in correct))  # per test problem
 
 
 def main() -> None:

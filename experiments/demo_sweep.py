@@ -56,7 +56,7 @@ def measure_bases(num_test: int) -> dict:
     from corl_jax import arithmetic, demo_bases
     from corl_jax.voting import cohens_kappa
 
-    test = arithmetic.generate("test", num_test)
+    test = arithmetic.generate("test", num_test, **arithmetic.DEMO_WORLD)
     correct = {(f, s): demo_bases.measure_accuracy(demo_bases.demo_base_dir(f), test, seed=s)
                for f in FAMILIES for s in (0, 1)}
     kappa = {f"{a}-{b}": round(float(cohens_kappa(correct[a, 0], correct[b, 1 if a == b else 0])), 4)
