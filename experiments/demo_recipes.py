@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from corl_jax import arithmetic  # noqa: E402
+
 ARCH = {
     "q2_d96L3": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                      num_key_value_heads=2),
