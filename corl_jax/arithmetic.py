@@ -129,13 +129,6 @@ def generate(split: str = "rl", n: int | None = None, seed: int = 0, levels: Seq
     return [item.problem(i, split) for i, item in enumerate(items)]
 
 
-def source(split: str, world: Mapping | None = None) -> str:
-    """The data-source string of `split` in `world` (`generate` keywords), e.g. `source("rl", DEMO_WORLD)` ->
-    'arithmetic:rl?levels=2,3&word_fraction=0.0&max_value=60' (parsed by `corl_jax.data`)."""
-    settings = [f"{k}={','.join(map(str, v)) if k == 'levels' else v}" for k, v in (world or {}).items()]
-    return f"arithmetic:{split}" + ("?" + "&".join(settings) if settings else "")
-
-
 def write_splits(out_dir: str, sizes: Mapping[str, int] = DEFAULT_SIZES, seed: int = 0, **world) -> dict[str, str]:
     """Write each split to `<out_dir>/<split>.jsonl` (fields prompt, answer, rephrased, solution, kind, level);
     `world`: `generate_items`' levels / word_fraction / max_value."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from corl_jax import arithmetic
+from corl_jax.data import arithmetic_source
 from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
@@ -198,8 +199,8 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collect
         agent.param_dtype = "float32"
         agent.compute_dtype = "float32"
     world = arithmetic.DEMO_WORLD if variant == "demo" else None
-    config.data.train_path = arithmetic.source("rl", world)
-    config.data.eval_path = arithmetic.source("test", world)
+    config.data.train_path = arithmetic_source("rl", world)
+    config.data.eval_path = arithmetic_source("test", world)
     config.mesh.data = 1
     if variant == "tiny":
         config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=16, max_prompt_len=384)

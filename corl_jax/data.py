@@ -53,8 +53,16 @@ class Problem:
 # ----------------------------------------------------------------------------------------------------------- reading
 
 
+def arithmetic_source(split: str, world: Mapping | None = None) -> str:
+    """The source string of the arithmetic world's `split` with `world` settings (`arithmetic.generate` keywords),
+    e.g. `arithmetic_source("rl", arithmetic.DEMO_WORLD)` ->
+    'arithmetic:rl?levels=2,3&word_fraction=0.0&max_value=60'."""
+    settings = [f"{k}={','.join(map(str, v)) if k == 'levels' else v}" for k, v in (world or {}).items()]
+    return f"arithmetic:{split}" + ("?" + "&".join(settings) if settings else "")
+
+
 def _arithmetic_problems(spec: str) -> list[Problem]:
-    """`arithmetic[:split][?setting=value&...]` (see the module docstring)."""
+    """`arithmetic[:split][?setting=value&...]` (see the module docstring; `arithmetic_source` writes it)."""
     from urllib.parse import parse_qsl
 
     from corl_jax import arithmetic

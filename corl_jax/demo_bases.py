@@ -170,18 +170,18 @@ def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *,
 
     lengths = loss_mask.shape[1] - np.argmax(loss_mask[:, ::-1], axis=1)  # one past each row's EOS
     rng = np.random.default_rng(recipe.seed)
-    losses = []
+    losses = []  # device scalars, read back once at the end (a read per step would stall the dispatch queue)
     with tqdm(total=recipe.steps, desc=f"{log_prefix}: SFT", mininterval=2.0) as bar:
         for i in range(recipe.steps):
             rows = rng.choice(len(ids), size=min(recipe.batch_size, len(ids)), replace=False)
             width = bucket_length(int(lengths[rows].max()), 32)  # a few shapes compile; short batches cost less
             params, opt_state, loss = step(params, opt_state, ids[rows, :width], loss_mask[rows, :width])
-            losses.append(float(loss))
+            losses.append(loss)
             bar.update()
             if i % 50 == 0:
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+                bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
     nnx.update(model, params)
-    return losses
+    return [float(x) for x in jax.device_get(losses)]
 
 
 def measure_accuracy(directory, problems, *, temperature: float = 0.6, max_new_tokens: int = 192, seed: int = 0,

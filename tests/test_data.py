@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from corl_jax import arithmetic
-from corl_jax.data import DataError, Problem, PromptStream, holdout_split, load_problems, load_train_and_eval
+from corl_jax.data import (DataError, Problem, PromptStream, arithmetic_source, holdout_split, load_problems,
+                           load_train_and_eval)
 
 ROWS = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "Solve x + 3 = 5.", "answer": 2},
         {"prompt": "Name a prime.", "answer": "7", "rephrased": "Give one prime number."}]
@@ -309,7 +310,10 @@ def test_arithmetic_rows_through_the_file_loader(tmp_path):
     assert all(p.solution is None for p in test)
     direct = load_problems("arithmetic:test")
     assert len(direct) == arithmetic.DEFAULT_SIZES["test"] and direct[0].source == "arithmetic:test"
-    easy = load_problems("arithmetic:test?levels=2,3&word_fraction=0&max_value=30")
+    spec = arithmetic_source("test", dict(levels=(2, 3), word_fraction=0, max_value=30))
+    assert spec == "arithmetic:test?levels=2,3&word_fraction=0&max_value=30"
+    assert arithmetic_source("rl") == "arithmetic:rl"
+    easy = load_problems(spec)
     items = arithmetic.generate_items("test", len(easy), levels=(2, 3), word_fraction=0, max_value=30)
     assert [p.text for p in easy] == [i.text for i in items]
     assert {i.level for i in items} == {2, 3} and {i.kind for i in items} == {"expression"}
