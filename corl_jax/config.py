@@ -11,6 +11,7 @@ import ml_collections
 from corl_jax import arithmetic
 from corl_jax.data import arithmetic_source
 from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from corl_jax.sampling.engine import ATTENTION_IMPLS as DECODE_ATTENTION_IMPLS
 
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
 CO_RL_TOPOLOGIES = ("pair", "ring", "peer_majority")
@@ -68,7 +69,7 @@ def base_config() -> ml_collections.ConfigDict:
             "top_p": 1.0,
             "top_k": 0,
             "min_p": 0.0,
-            "unroll_layers": False,     # decode with the layers unrolled: ~8% faster steps, 2-5x longer compiles
+            "decode_attention": "auto",  # attention over the KV cache: auto (pallas kernel on GPUs) / pallas / xla
     })
     c.grpo = ml_collections.ConfigDict({
             "loss_type": "bnpo",
@@ -158,6 +159,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         fail("rollout.prompts_per_step", "must be at least 1", "set a positive number of prompts per step")
     if not 0.0 < r.top_p <= 1.0:
         fail("rollout.top_p", f"{r.top_p} is outside (0, 1]", "use 1.0 to disable nucleus sampling")
+    if r.decode_attention not in DECODE_ATTENTION_IMPLS:
+        fail("rollout.decode_attention", f"unknown implementation {r.decode_attention!r}",
+             f"use one of {DECODE_ATTENTION_IMPLS}")
     if r.temperature < 0:
         fail("rollout.temperature", "negative", "use 0 for greedy or a positive temperature")
     g = config.grpo

@@ -185,10 +185,38 @@ def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *,
 
 
 def measure_accuracy(directory, problems, *, temperature: float = 0.6, max_new_tokens: int = 192, seed: int = 0,
-                     batch_prompts: int = 128) -> np.ndarray:
-    """Per-problem correctness (bool [N]) of the checkpoint at `directory`: one sample per problem at
-    `temperature` (0: greedy) with the sampling engine, graded against the gold answer like the in-loop eval."""
+                     batch_prompts: int = 128, num_samples: int = 1) -> np.ndarray:
+    """Per-sample correctness (bool [N], or [N, num_samples] when num_samples > 1) of the checkpoint at
+    `directory`: samples at `temperature` (0: greedy) with the sampling engine, graded against the gold answer
+    like the in-loop eval."""
     from corl_jax.answers.math import extract_answer, grade_answer
+
+    texts = sample_texts(directory, problems, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                         batch_prompts=batch_prompts, num_samples=num_samples)
+    correct = np.array([[grade_answer(extract_answer(t), p.answer) for t in row] for row, p in zip(texts, problems)],
+                       bool)
+    return correct[:, 0] if num_samples == 1 else correct
+
+
+def majority_correct(texts, problems) -> np.ndarray:
+    """bool [N]: is the majority vote of each problem's sampled completions (`sample_texts`) right? The vote is
+    the reference's: the most frequent `vote_key` among the parseable completions (ties: the first seen)."""
+    from collections import Counter
+
+    from corl_jax.answers.math import extract_answer, grade_answer, vote_key
+
+    out = []
+    for row, problem in zip(texts, problems):
+        keyed = [(key, text) for key, text in ((vote_key(t), t) for t in row) if key is not None]
+        top = Counter(key for key, _ in keyed).most_common(1)[0][0] if keyed else None
+        out.append(top is not None and grade_answer(extract_answer(next(t for k, t in keyed if k == top)),
+                                                    problem.answer))
+    return np.array(out, bool)
+
+
+def sample_texts(directory, problems, *, temperature: float, num_samples: int, max_new_tokens: int = 192,
+                 seed: int = 0, batch_prompts: int = 128) -> list[list[str]]:
+    """`num_samples` completions per problem (`texts[n][g]`) of the checkpoint at `directory`."""
     from corl_jax.models import from_pretrained
     from corl_jax.sampling import Sampler, SamplingParams
     from corl_jax.sampling.text import generate_texts
@@ -196,14 +224,14 @@ def measure_accuracy(directory, problems, *, temperature: float = 0.6, max_new_t
     policy = from_pretrained(directory, dtype=jnp.float32)
     sampler = Sampler.from_policy(policy)
     params = SamplingParams(greedy=True) if temperature == 0 else SamplingParams(temperature=temperature)
-    correct = []
+    texts = []
     for start in range(0, len(problems), batch_prompts):
         chunk = problems[start:start + batch_prompts]
-        texts, _ = generate_texts(sampler, policy.tokenizer, [p.text for p in chunk], num_samples=1,
-                                  max_new_tokens=max_new_tokens, params=params,
-                                  key=jax.random.fold_in(jax.random.key(seed), start))
-        correct += [grade_answer(extract_answer(t[0]), p.answer) for t, p in zip(texts, chunk)]
-    return np.array(correct, bool)
+        chunk_texts, _ = generate_texts(sampler, policy.tokenizer, [p.text for p in chunk], num_samples=num_samples,
+                                        max_new_tokens=max_new_tokens, params=params,
+                                        key=jax.random.fold_in(jax.random.key(seed), start))
+        texts += chunk_texts
+    return texts
 
 
 def report(families: Sequence[str] = zoo.FAMILIES, num_test: int = arithmetic.DEFAULT_SIZES["test"]) -> dict:

@@ -30,6 +30,7 @@ from corl_jax.models import Decoder, ModelConfig, Policy
 from corl_jax.tokenization import build_tokenizer, load_tokenizer
 from corl_jax.zoo import CHAT_STYLE
 from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from corl_jax.sampling.engine import ATTENTION_IMPLS as SAMPLER_ATTENTION
 from shapes import SHAPES
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--remat", default="dots_no_batch", choices=REMAT_POLICIES)
     parser.add_argument("--attention", default="auto", choices=ATTENTION_IMPLS)
-    parser.add_argument("--unroll-layers", type=int, default=0, choices=(0, 1), help="rollout.unroll_layers")
+    parser.add_argument("--decode-attention", default="auto", choices=SAMPLER_ATTENTION, help="rollout.decode_attention")
     parser.add_argument("--shapes", type=lambda v: v.split(","),
                         default=["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"])
     args = parser.parse_args()
@@ -48,7 +49,7 @@ def main() -> None:
     config = base_config()
     config.rollout.update(prompts_per_step=16, num_generations=8, max_new_tokens=args.max_new, max_prompt_len=512)
     config.grpo.update(micro_batch_size=args.micro_batch, remat=args.remat, attention=args.attention)
-    config.rollout.unroll_layers = bool(args.unroll_layers)
+    config.rollout.decode_attention = args.decode_attention
     workdir = Path(tempfile.mkdtemp())
     agents = []
     for index, shape in enumerate(args.shapes):
@@ -84,7 +85,7 @@ def main() -> None:
     payload = dict(command=" ".join(sys.argv), device=str(jax.devices()[0].device_kind), placement="shared",
                    agents={SHAPES[s][0]: s for s in args.shapes}, prompts=16, generations=8,
                    max_new_tokens=args.max_new, micro_batch=args.micro_batch, remat=args.remat,
-                   attention=args.attention, unroll_layers=config.rollout.unroll_layers,
+                   attention=args.attention, decode_attention=args.decode_attention,
                    versions=dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
                                  transformers=transformers.__version__),
                    steps=steps,

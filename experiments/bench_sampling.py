@@ -9,13 +9,14 @@ plus the KV cache of every row; with the average context Tp + T/2,
 
 Usage (GPU; each part prints a table and writes one JSON):
   python experiments/bench_sampling.py --out experiments/results/bench_sampling.json
-  python experiments/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --variants seg128,full --hf-peer none \
-      --profile-steps 24 --dump-dir /tmp/profile
+  python experiments/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --variants pallas,xla-seg128 \
+      --hf-peer none --profile-steps 24 --dump-dir /tmp/profile
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
@@ -32,24 +33,16 @@ from shapes import SHAPES
 HBM_BYTES_PER_S = 4.3e12
 _DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION"
 _GRAPHS = {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL"}
-_XLA_UNROLL = {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"}
-_DSF = {"xla_gpu_enable_dynamic_slice_fusion": True}
-# Sampler variants: name -> (attention segment width in steps (0: attend the whole cache), XLA options,
-# Sampler(unroll_layers=...)).
+# Sampler variants: name -> (decode attention, attention segment width in steps for "xla" (0: the whole cache),
+# XLA options, decode_attention kernel settings for "pallas" (None: its defaults)).
 VARIANTS = {
-    "seg128": (128, {}, False),
-    "full": (0, {}, False),
-    "seg128+graphs": (128, _GRAPHS, False),
-    "seg128+graphs+dsf": (128, {**_GRAPHS, **_DSF}, False),
-    "seg64+graphs": (64, _GRAPHS, False),
-    # the layer scan fully unrolled by XLA: static weight/cache slices instead of per-step dynamic-slice copies
-    "seg128+graphs+unroll": (128, {**_GRAPHS, **_XLA_UNROLL}, False),
-    "seg128+graphs+unroll+cublas+dsf": (128, {**_GRAPHS, **_XLA_UNROLL, **_DSF, "xla_gpu_enable_triton_gemm": False},
-                                        False),
-    # the layers unrolled by the decoder itself (Sampler(unroll_layers=True))
-    "seg128+layers": (128, {}, True),
-    "seg128+graphs+layers": (128, _GRAPHS, True),
-    "seg256+graphs+layers": (256, _GRAPHS, True),
+    "pallas": ("pallas", 0, {}, None),
+    "pallas+graphs": ("pallas", 0, _GRAPHS, None),
+    "pallas+graphs:b32s128": ("pallas", 0, _GRAPHS, dict(block_k=32, split=128)),
+    "pallas+graphs:b128s512": ("pallas", 0, _GRAPHS, dict(block_k=128, split=512)),
+    "xla-seg128": ("xla", 128, {}, None),
+    "xla-seg128+graphs": ("xla", 128, _GRAPHS, None),
+    "xla-full+graphs": ("xla", 0, _GRAPHS, None),
 }
 
 
@@ -110,9 +103,14 @@ def measure(args, name, model, config, n_params, ids, mask, params, new_tokens, 
 
     from corl_jax.sampling import Buckets, Sampler
 
-    kv_block, options, unroll_layers = VARIANTS[variant]
+    from corl_jax.models import decode_attention
+    from corl_jax.sampling import engine
+
+    attention, kv_block, options, kernel = VARIANTS[variant]
+    # kernel block sizes are not a Sampler setting: this script swaps the engine's kernel for a tuned partial
+    engine.decode_attention = functools.partial(decode_attention.decode_attention, **(kernel or {}))
     sampler = Sampler(model, stop_ids=(), buckets=Buckets(prompt=64, new_tokens=256, kv_block=kv_block),
-                      compiler_options=options, unroll_layers=unroll_layers)
+                      compiler_options=options, attention=attention)
     run = lambda n, seed: jax.block_until_ready(sampler.generate(  # noqa: E731
         ids, mask, num_samples=args.samples, max_new_tokens=n, params=params, key=jax.random.key(seed)))
     try:
@@ -304,7 +302,7 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=ints, default=[512, 1024])
-    p.add_argument("--variants", type=lambda s: s.split(","), default=["seg128"],
+    p.add_argument("--variants", type=lambda s: s.split(","), default=["pallas+graphs"],
                    help=f"sampler variants, from {list(VARIANTS)}; with several, all are measured on the first "
                         "model and length and the fastest is used for the rest")
     p.add_argument("--extra-variants", type=lambda s: s.split(",") if s else [], default=[],

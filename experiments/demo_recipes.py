@@ -37,6 +37,10 @@ ARCH = {
                      num_key_value_heads=2, head_dim=32),
     "d64L4": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16),
+    "d80L4": dict(hidden_size=80, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=20),
+    "d48L4": dict(hidden_size=48, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=12),
 }
 BPE_1 = dict(tokenizer="bpe", vocab_size=640, digit_group=1)
 BPE_3 = dict(tokenizer="bpe", vocab_size=1024, digit_group=3)
@@ -62,26 +66,44 @@ def _candidates() -> dict[str, tuple[str, dict]]:
         out[f"cpu-{family}-{arch}-mv{max_value}-s1500"] = (family, dict(
             architecture=ARCH[arch], batch_size=32, steps=1500, learning_rate=6e-3, **tok,
             **dict(arithmetic.DEMO_WORLD, max_value=max_value)))
+    # Third grid (CPU, demo world): 4-layer models of every family, to lift the weak qwen2/llama bases toward the
+    # qwen3 one; each keeps its family's tokenizer and seed from demo_bases.RECIPES.
+    for family, arch, steps, lr in (("qwen2", "d64L4", 1500, 3e-3), ("qwen2", "d64L4", 1500, 6e-3),
+                                    ("qwen2", "d80L4", 1500, 3e-3), ("llama", "d64L4", 1500, 3e-3),
+                                    ("llama", "d64L4", 1500, 6e-3), ("qwen3", "d64L4", 1500, 3e-3), ("qwen3", "d64L4", 1000, 3e-3),
+                                    ("qwen3", "d48L4", 1500, 3e-3)):
+        out[f"cpu3-{family}-{arch}-s{steps}-lr{lr:g}"] = (family, dict(architecture=ARCH[arch], steps=steps,
+                                                                         learning_rate=lr))
     return out
 
 
 CANDIDATES = _candidates()
+MAX_NEW_TOKENS = 64  # the demo's rollout and eval length (demo-world solutions take up to ~45 tokens)
 
 
 def run_candidate(name: str, num_test: int, workdir: Path) -> dict:
     """Build and measure one candidate (in this process)."""
     import jax
+    import numpy as np
 
     from corl_jax import demo_bases
+    from corl_jax.answers.math import extract_answer, grade_answer
 
     family, overrides = CANDIDATES[name]
     directory = workdir / name
     record = demo_bases.build_demo_base(directory, family, **overrides)
     recipe = dataclasses.replace(demo_bases.RECIPES[family], **overrides)
     test = arithmetic.generate("test", num_test, **recipe.world)
-    correct = demo_bases.measure_accuracy(directory, test)
+    correct = demo_bases.measure_accuracy(directory, test, max_new_tokens=MAX_NEW_TOKENS)
+    # What a peer's reward is made of: samples at the RL temperature and their majority vote.
+    texts = demo_bases.sample_texts(directory, test, temperature=1.0, num_samples=8, max_new_tokens=MAX_NEW_TOKENS)
+    sample_correct = [[grade_answer(extract_answer(t), p.answer) for t in row] for row, p in zip(texts, test)]
+    majority = demo_bases.majority_correct(texts, test)
+    greedy = demo_bases.measure_accuracy(directory, test, temperature=0, max_new_tokens=MAX_NEW_TOKENS)
     return dict(name=name, family=family, overrides=overrides, world=recipe.world,
-                accuracy=round(float(correct.mean()), 4), num_test=num_test,
+                accuracy=round(float(correct.mean()), 4), greedy_accuracy=round(float(greedy.mean()), 4),
+                t1_accuracy=round(float(np.mean(sample_correct)), 4),
+                t1_majority8_accuracy=round(float(majority.mean()), 4), num_test=num_test,
                 final_loss=round(record["sft_losses"][-1], 4), build_seconds=record["build_seconds"],
                 max_example_tokens=record["max_example_tokens"], device=str(jax.devices()[0].device_kind),
                 directory=str(directory), correct="".join("01"[int(c)] for c in correct))  # per test problem

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 import corl_jax.models as models
 from corl_jax.models import sharding
 from corl_jax.models.config import ModelConfig
+from corl_jax.models.decode_attention import decode_attention
 from hf_tiny import hf_logits, make_tiny_hf_checkpoint
 
 TOL = 1e-4  # fp32 max |logit difference| against transformers
@@ -89,12 +90,12 @@ def test_sharded_checkpoint_with_index_loads(checkpoint, tmp_path):
     assert max_diff(models.logits(policy, ids, mask), hf_logits(directory, ids, mask), mask) <= TOL
 
 
-@pytest.mark.parametrize("unroll_layers", [False, True], ids=["layer_scan", "unrolled_layers"])
+@pytest.mark.parametrize("cache_attention", ["xla", "pallas"])
 @pytest.mark.parametrize("case", ONE_PER_FAMILY)
-def test_kv_cache_prefill_and_decode_match_full_forward(case, unroll_layers, checkpoint):
-    """Prefill 3 prompts once, share each among 2 samples (repeat_batch), decode 6 tokens per row with
-    growing attend_len buckets; every step's logits equal the full forward of the whole sequence, with the
-    layers scanned or unrolled."""
+def test_kv_cache_prefill_and_decode_match_full_forward(case, cache_attention, checkpoint):
+    """Prefill 3 prompts once, share each among 2 samples (repeat_batch), decode 6 tokens per row on
+    `decode_weights()`; every step's logits equal the full forward of the whole sequence, with attention over
+    growing attend_len buckets (XLA) or over each row's filled slots (the Pallas kernel, interpreted on CPU)."""
     policy = models.from_pretrained(checkpoint(case), dtype=jnp.float32)
     prompt_len, new, samples = 10, 6, 2
     prompt_ids, prompt_mask = left_padded_batch([10, 6, 2], prompt_len, seed=1)
@@ -109,15 +110,15 @@ def test_kv_cache_prefill_and_decode_match_full_forward(case, unroll_layers, che
     @jax.jit
     def prefill(state, ids, positions, mask):
         model = nnx.merge(graphdef, state)
-        hidden, cache = model.prefill(ids, positions, mask, model.init_cache(3, 32), attend_len=prompt_len,
-                                      unroll_layers=unroll_layers)
+        hidden, cache = model.prefill(ids, positions, mask, model.init_cache(3, 32), attend_len=prompt_len)
         return model.logits(hidden), cache.repeat_batch(samples)
 
     @partial(jax.jit, static_argnames="attend_len", donate_argnames="cache")
     def step(state, tokens, positions, cache, attend_len):
         model = nnx.merge(graphdef, state)
-        hidden, cache = model.decode_step(tokens, positions, cache, attend_len=attend_len,
-                                          unroll_layers=unroll_layers)
+        kernel = partial(decode_attention, block_k=8, split=16) if cache_attention == "pallas" else None
+        hidden, cache = model.decode_step(tokens, positions, cache, model.decode_weights(), attend_len=attend_len,
+                                          cache_attention=kernel)
         return model.logits(hidden), cache
 
     logits, cache = prefill(state, prompt_ids, positions[::samples, :prompt_len], prompt_mask)

@@ -197,9 +197,9 @@ def hf_greedy(directory, ids, mask, max_new_tokens, stop_ids, pad_id):
     return np.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=pad_id)
 
 
-def sampler_for(directory, buckets=SMALL, stop_ids=(), mesh=None, unroll_layers=False):
+def sampler_for(directory, buckets=SMALL, stop_ids=(), mesh=None, attention="xla"):
     policy = models.from_pretrained(directory, dtype=jnp.float32, mesh=mesh)
-    return Sampler(policy.model, stop_ids=stop_ids, pad_id=0, mesh=mesh, buckets=buckets, unroll_layers=unroll_layers)
+    return Sampler(policy.model, stop_ids=stop_ids, pad_id=0, mesh=mesh, buckets=buckets, attention=attention)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -214,14 +214,14 @@ def test_greedy_equals_transformers_generate(family, checkpoint):
     assert np.all(out.mask) and np.all(out.lengths == 24) and np.all(out.truncated)
 
 
-def test_attention_segments_and_unrolled_layers_do_not_change_the_result(checkpoint):
+def test_attention_segments_and_the_pallas_kernel_do_not_change_the_result(checkpoint):
     directory = checkpoint("qwen3")
     ids, mask = mixed_length_prompts([5, 9], 9, seed=1)
     params = SamplingParams(temperature=0.8)
     results = [
-        sampler_for(directory, Buckets(prompt=4, new_tokens=40, kv_block=block), unroll_layers=unroll).generate(
+        sampler_for(directory, Buckets(prompt=4, new_tokens=40, kv_block=block), attention=attention).generate(
             ids, mask, num_samples=3, max_new_tokens=37, params=params, key=jax.random.key(7))
-        for block, unroll in ((0, False), (5, False), (16, False), (16, True))
+        for block, attention in ((0, "xla"), (5, "xla"), (16, "xla"), (0, "pallas"))
     ]
     for other in results[1:]:
         np.testing.assert_array_equal(np.asarray(other.tokens), np.asarray(results[0].tokens))
@@ -310,7 +310,9 @@ def test_deterministic_for_a_key_and_compiled_once_per_bucket(checkpoint, caplog
     np.testing.assert_array_equal(np.asarray(raw_key.tokens), np.asarray(a.tokens))  # same seed, legacy key
 
 
-def test_sharded_over_eight_devices_equals_single_device(checkpoint):
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_sharded_over_eight_devices_equals_single_device(attention, checkpoint):
+    """Batch over the data axis, kv heads over tensor; the Pallas kernel runs per shard (shard_map)."""
     assert jax.device_count() == 8, "tests/conftest.py provides 8 fake CPU devices"
     directory = checkpoint("llama")
     ids, mask = mixed_length_prompts([3, 8, 5, 6, 2, 7, 4, 8], 8, seed=9)
@@ -318,7 +320,7 @@ def test_sharded_over_eight_devices_equals_single_device(checkpoint):
     kwargs = dict(num_samples=2, max_new_tokens=12, params=params, key=jax.random.key(11))
     single = sampler_for(directory).generate(ids, mask, **kwargs)
     mesh = sharding.make_mesh(data=4, tensor=2)
-    sharded = sampler_for(directory, mesh=mesh).generate(ids, mask, **kwargs)
+    sharded = sampler_for(directory, mesh=mesh, attention=attention).generate(ids, mask, **kwargs)
     assert len(sharded.tokens.sharding.device_set) == 8
     np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
     np.testing.assert_allclose(np.asarray(sharded.logprobs), np.asarray(single.logprobs), atol=1e-5)

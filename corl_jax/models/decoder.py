@@ -1,8 +1,9 @@
 """One Flax NNX decoder for Qwen2/2.5, Llama-3.x and Qwen3 (families differ by `ModelConfig` flags).
 
 Parameters of the L transformer blocks are stacked with a leading layer axis (`decoder.layers.*`,
-shape [L, ...]) and applied with one `jax.lax.scan`; every parameter carries `logical_axes`
-metadata used by `corl_jax.models.sharding`.
+shape [L, ...]) and applied with one `jax.lax.scan` in training and prefill; every parameter carries
+`logical_axes` metadata used by `corl_jax.models.sharding`. Decoding runs the layers one by one on
+`DecodeWeights` (per-layer buffers in the compute dtype, fused q/k/v and gate/up projections).
 
 Call paths (all return hidden states after the final RMSNorm; logits are `decoder.logits(hidden)`
 or chunks of `hidden @ decoder.unembedding()`):
@@ -11,7 +12,8 @@ or chunks of `hidden @ decoder.unembedding()`):
 * Sampling with a KV cache (`KVCache`, see its docstring):
   `cache = decoder.init_cache(batch, max_len)`,
   `last_hidden, cache = decoder.prefill(ids, positions, mask, cache)`,
-  `hidden, cache = decoder.decode_step(tokens, positions, cache, attend_len=...)`.
+  `weights = decoder.decode_weights()` (once per generation),
+  `hidden, cache = decoder.decode_step(tokens, positions, cache, weights, attend_len=...)`.
 
 Batches are left-padded; `positions = max(cumsum(mask) - 1, 0)` (see `positions_from_mask`).
 """
@@ -80,6 +82,28 @@ class KVCache:
         return KVCache(k=kv, v=kv, mask=("batch", "cache_seq"), index=())
 
 
+@flax.struct.dataclass
+class DecodeWeights:
+    """A decoder's weights laid out for decoding, made once per generation by `Decoder.decode_weights`.
+
+    Every array is in the compute dtype and every layer has buffers of its own (no slicing of stacked
+    parameters inside the decode loop); q/k/v are fused into one `qkv_proj` [D, (H + 2 H_kv) * hd] (and
+    `qkv_bias`), gate/up into one `gate_up_proj` [D, 2F]: three matmuls per block instead of six.
+
+    embed: [V, D]; unembed: [V, D] (the embedding itself when tied); final_norm: [D];
+    layers: one dict per layer.
+    """
+
+    embed: jax.Array
+    unembed: jax.Array
+    final_norm: jax.Array
+    layers: tuple
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [B, V] of hidden [B, D]."""
+        return jnp.einsum("bd,vd->bv", hidden.astype(self.unembed.dtype), self.unembed, preferred_element_type=_F32)
+
+
 class Decoder(nnx.Module):
     """Decoder-only transformer (RMSNorm, RoPE, GQA attention, SwiGLU MLP), one implementation for all families."""
 
@@ -130,8 +154,8 @@ class Decoder(nnx.Module):
                  unroll_layers: bool = False) -> jax.Array:
         """Full-sequence forward: int32 ids/positions [B, T], bool mask [B, T] -> hidden [B, T, D].
 
-        Causal + key-padding mask; `config.remat` selects the rematerialisation policy. `unroll_layers` (all
-        paths) applies the blocks one by one with static weight slices instead of one `lax.scan`: bigger
+        Causal + key-padding mask; `config.remat` selects the rematerialisation policy. `unroll_layers`
+        applies the blocks one by one with static weight slices instead of one `lax.scan`: bigger
         programs, but no per-layer dynamic-slice copies of the weights and cache (see `_run`)."""
         T = input_ids.shape[1]
         causal = jnp.tril(jnp.ones((T, T), bool))
@@ -146,25 +170,65 @@ class Decoder(nnx.Module):
         return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), mask=jnp.zeros((batch, max_len), bool),
                        index=jnp.zeros((), jnp.int32))
 
-    def prefill(self, input_ids, positions, attention_mask, cache: KVCache, *, attend_len: int | None = None,
-                unroll_layers: bool = False):
+    def prefill(self, input_ids, positions, attention_mask, cache: KVCache, *, attend_len: int | None = None):
         """Write a left-padded prompt block [B, T] into slots [index, index+T) and attend over slots
         [0, attend_len) (static; default the whole cache; must be >= index+T).
 
         Returns (hidden of the last column [B, D], updated cache). Prefilling an empty cache with
         attend_len=T costs exactly one prompt forward."""
-        hidden, cache = self._extend(input_ids, positions, attention_mask, cache, attend_len, unroll_layers)
+        hidden, cache = self._extend(input_ids, positions, attention_mask, cache, attend_len)
         return hidden[:, -1], cache
 
-    def decode_step(self, tokens, positions, cache: KVCache, *, attend_len: int | None = None,
-                    unroll_layers: bool = False):
+    def decode_weights(self) -> "DecodeWeights":
+        """The current weights in the compute dtype, laid out for decoding (see `DecodeWeights`)."""
+        c = self.config
+        dt = c.dtype
+        stacked = {name: p[...].astype(dt) for name, p in self.layers.items()}
+        layers = []
+        for i in range(c.num_layers):
+            p = {name: w[i] for name, w in stacked.items()}
+            flat = lambda name: p.pop(name).reshape(c.hidden_size, -1)  # noqa: E731  [D, heads, hd] -> [D, heads*hd]
+            p["qkv_proj"] = jnp.concatenate([flat("q_proj"), flat("k_proj"), flat("v_proj")], axis=1)
+            if c.qkv_bias:
+                p["qkv_bias"] = jnp.concatenate([p.pop(f"{x}_bias").reshape(-1) for x in "qkv"])
+            p["gate_up_proj"] = jnp.concatenate([p.pop("gate_proj"), p.pop("up_proj")], axis=1)
+            layers.append(p)
+        embed = self.embed[...].astype(dt)
+        unembed = embed if c.tie_word_embeddings else self.lm_head[...].astype(dt).T
+        return DecodeWeights(embed=embed, unembed=unembed, final_norm=self.final_norm[...].astype(dt),
+                             layers=tuple(layers))
+
+    def decode_step(self, tokens, positions, cache: KVCache, weights: "DecodeWeights | None" = None, *,
+                    attend_len: int | None = None, cache_attention=None):
         """One token per row: tokens, positions int32 [B] -> (hidden [B, D], updated cache).
 
-        The token is written at slot `cache.index` (then index += 1); attention reads only slots
-        [0, attend_len) — a static bound (e.g. a length bucket) that the caller keeps > index."""
-        ones = jnp.ones((tokens.shape[0], 1), bool)
-        hidden, cache = self._extend(tokens[:, None], positions[:, None], ones, cache, attend_len, unroll_layers)
-        return hidden[:, 0], cache
+        The token is written at slot `cache.index` (then index += 1). The layers run one by one on `weights`
+        (default: `self.decode_weights()`; pass them in to prepare them once per generation). Attention reads
+        either the static prefix [0, attend_len) of the cache (XLA; default the whole cache, the caller keeps
+        attend_len > index), or, with `cache_attention(q [B, H, hd], k_cache, v_cache, layer, start, end)`
+        (e.g. `decode_attention.decode_attention`), only each row's filled slots [first real slot, index]: the
+        prompts are left-padded and every later slot is filled, so this is the same set as the mask's."""
+        c = self.config
+        weights = self.decode_weights() if weights is None else weights
+        slot_mask = jax.lax.dynamic_update_slice(cache.mask, jnp.ones((tokens.shape[0], 1), bool), (0, cache.index))
+        attend_len = cache.max_len if attend_len is None else attend_len
+        mask = slot_mask[:, None, :attend_len]  # slots after `index` are still empty: causal by construction
+        start = jnp.argmax(slot_mask, axis=1).astype(jnp.int32)
+        end = jnp.broadcast_to(cache.index + 1, start.shape).astype(jnp.int32)
+        h = jnp.take(weights.embed, tokens[:, None], axis=0)
+        cos, sin = _rope_cos_sin(positions[:, None], c.rope_inv_freq())
+        kv = (cache.k, cache.v)
+        for layer, p in enumerate(weights.layers):
+            def attend(q, k, v, layer=layer):
+                ck, cv = (_write_slot(x, new, layer, cache.index) for x, new in zip(kv, (k, v)))
+                if cache_attention is not None:
+                    return cache_attention(q[:, 0], ck, cv, layer, start, end)[:, None], (ck, cv)
+                keys, values = (x[layer, :, :, :attend_len].astype(c.dtype) for x in (ck, cv))
+                return _attention(q, keys, values, mask, c), (ck, cv)
+
+            h, kv = _block(h, p, cos, sin, c, attend)
+        h = _rms_norm(h, weights.final_norm, c)
+        return h[:, 0], cache.replace(k=kv[0], v=kv[1], mask=slot_mask, index=cache.index + 1)
 
     def unembedding(self) -> jax.Array:
         """Output projection [D, V] (the transposed embedding when tied), for vocabulary-chunked logits."""
@@ -177,7 +241,7 @@ class Decoder(nnx.Module):
 
     # ----------------------------------------------------------------------------------- internals
 
-    def _extend(self, input_ids, positions, token_mask, cache: KVCache, attend_len, unroll_layers):
+    def _extend(self, input_ids, positions, token_mask, cache: KVCache, attend_len):
         """Append a block of T tokens to the cache and run it; the mask covers cache slots [0, attend_len)."""
         T = input_ids.shape[1]
         attend_len = cache.max_len if attend_len is None else attend_len
@@ -185,7 +249,7 @@ class Decoder(nnx.Module):
         query_slots = cache.index + jnp.arange(T)
         causal = jnp.arange(attend_len)[None, :] <= query_slots[:, None]  # [T, attend_len]
         mask = causal[None] & slot_mask[:, None, :attend_len]
-        hidden, cache = self._run(input_ids, positions, mask, cache, attend_len, unroll_layers)
+        hidden, cache = self._run(input_ids, positions, mask, cache, attend_len, unroll_layers=False)
         return hidden, cache.replace(mask=slot_mask, index=cache.index + T)
 
     def _run(self, input_ids, positions, mask, cache, attend_len, unroll_layers):
@@ -197,26 +261,18 @@ class Decoder(nnx.Module):
 
         def block(carry, p):
             h, kv, layer = carry
-            x = _rms_norm(h, p["attn_norm"], c)
-            q, k, v = _project_qkv(x, p, cos, sin, c)
-            if kv is not None:  # write this block's K/V at `cache.index`, then read the attended prefix
-                ck, cv = kv
-                start = (layer, 0, 0, cache.index, 0)
-                ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), start)
-                cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), start)
+
+            def attend(q, k, v):
+                if kv is None:
+                    return (_fused_attention(q, k, v, mask) if c.fused_attention else _attention(q, k, v, mask, c)), None
+                # write this block's K/V at `cache.index`, then read the attended prefix
+                ck, cv = (_write_slot(x, new, layer, cache.index) for x, new in zip(kv, (k, v)))
                 size = (1, *ck.shape[1:3], attend_len, ck.shape[4])
                 k = jax.lax.dynamic_slice(ck, (layer, 0, 0, 0, 0), size)[0].astype(c.dtype)
                 v = jax.lax.dynamic_slice(cv, (layer, 0, 0, 0, 0), size)[0].astype(c.dtype)
-                kv = (ck, cv)
-            if cache is None and c.fused_attention:
-                attn = _fused_attention(q, k, v, mask)
-            else:
-                attn = _attention(q, k, v, mask, c)
-            out = jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(c.dtype))
-            if c.o_bias:
-                out = out + p["o_bias"].astype(c.dtype)
-            h = h + out
-            h = h + _mlp(_rms_norm(h, p["mlp_norm"], c), p, c)
+                return _attention(q, k, v, mask, c), (ck, cv)
+
+            h, kv = _block(h, p, cos, sin, c, attend)
             return (h, kv, layer + 1), None
 
         if cache is None and c.remat != "none":
@@ -233,6 +289,30 @@ class Decoder(nnx.Module):
         if cache is not None:
             cache = cache.replace(k=kv[0], v=kv[1])
         return h, cache
+
+
+def _block(h, p, cos, sin, c: ModelConfig, attend):
+    """One transformer block on hidden [B, T, D] with layer parameters `p` (stacked-layer slices or
+    `DecodeWeights` layers). `attend(q, k, v) -> (attn [B, T, H, hd], aux)` does the attention and any cache
+    I/O; returns (new hidden, aux)."""
+    x = _rms_norm(h, p["attn_norm"], c)
+    q, k, v = _project_qkv(x, p, cos, sin, c)
+    attn, aux = attend(q, k, v)
+    out = _matmul(attn.reshape(*attn.shape[:2], -1), p["o_proj"].reshape(-1, c.hidden_size), c)
+    if c.o_bias:
+        out = out + p["o_bias"].astype(c.dtype)
+    h = h + out
+    return h + _mlp(_rms_norm(h, p["mlp_norm"], c), p, c), aux
+
+
+def _write_slot(cache_kv, new, layer, index):
+    """Write new K or V [B, H_kv, T, hd] of `layer` into the stacked cache [L, B, H_kv, S, hd] at slot `index`."""
+    return jax.lax.dynamic_update_slice(cache_kv, new[None].astype(cache_kv.dtype), (layer, 0, 0, index, 0))
+
+
+def _matmul(x, w, c: ModelConfig):
+    """x [..., D_in] @ w [D_in, D_out] as one 2-D matmul in the compute dtype."""
+    return (x.reshape(-1, x.shape[-1]) @ w.astype(c.dtype)).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def _rms_norm(x, weight, c: ModelConfig):
@@ -258,13 +338,23 @@ def _apply_rope(x, cos, sin):
 
 
 def _project_qkv(x, p, cos, sin, c: ModelConfig):
-    """q [B, T, H, hd], k and v [B, H_kv, T, hd]: projections, optional biases and q/k norms, RoPE."""
+    """q [B, T, H, hd], k and v [B, H_kv, T, hd]: projections (three, or one fused `qkv_proj` of
+    `DecodeWeights`), optional biases and q/k norms, RoPE."""
     dt = c.dtype
-    q = jnp.einsum("btd,dhk->bthk", x, p["q_proj"].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, p["k_proj"].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, p["v_proj"].astype(dt))
-    if c.qkv_bias:
-        q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
+    B, T, _ = x.shape
+    H, K, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    if "qkv_proj" in p:
+        qkv = _matmul(x, p["qkv_proj"], c)
+        if c.qkv_bias:
+            qkv = qkv + p["qkv_bias"].astype(dt)
+        q, k, v = jnp.split(qkv, (H * hd, (H + K) * hd), axis=-1)
+        q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, K, hd), v.reshape(B, T, K, hd)
+    else:
+        q = jnp.einsum("btd,dhk->bthk", x, p["q_proj"].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, p["k_proj"].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, p["v_proj"].astype(dt))
+        if c.qkv_bias:
+            q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
     if c.qk_norm:
         q, k = _rms_norm(q, p["q_norm"], c), _rms_norm(k, p["k_norm"], c)
     q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
@@ -292,9 +382,10 @@ def _fused_attention(q, k, v, mask, implementation="cudnn"):
 
 def _mlp(x, p, c: ModelConfig):
     """SwiGLU: down(silu(gate(x)) * up(x)), as 2-D matmuls over the flattened tokens (the same math as the
-    [B, T, D] einsums; XLA:CPU then makes no transposed copies of the activations in the backward pass)."""
-    dt = c.dtype
-    tokens = x.reshape(-1, x.shape[-1])
-    gate = tokens @ p["gate_proj"].astype(dt)
-    up = tokens @ p["up_proj"].astype(dt)
-    return ((jax.nn.silu(gate) * up) @ p["down_proj"].astype(dt)).reshape(x.shape)
+    [B, T, D] einsums; XLA:CPU then makes no transposed copies of the activations in the backward pass).
+    `DecodeWeights` layers hold gate and up as one fused `gate_up_proj` [D, 2F]."""
+    if "gate_up_proj" in p:
+        gate, up = jnp.split(_matmul(x, p["gate_up_proj"], c), 2, axis=-1)
+    else:
+        gate, up = _matmul(x, p["gate_proj"], c), _matmul(x, p["up_proj"], c)
+    return _matmul(jax.nn.silu(gate) * up, p["down_proj"], c)

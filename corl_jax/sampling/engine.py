@@ -6,9 +6,14 @@ One compiled program per shape bucket does everything on the device:
 2. share the prompt cache with its G samples (`KVCache.repeat_batch`: rows p*G .. p*G+G-1) and
    grow it to Tp + T slots; sample each row's first token from its prompt's last logits;
 3. decode one token per row per step in `lax.while_loop`s that stop as soon as every row has
-   emitted a stop id (or T tokens). The loop is cut into *attention segments*: segment j covers
-   steps [(j-1)·kv_block, j·kv_block) and attends over the first Tp + j·kv_block cache slots only,
-   so the attention cost of a step follows the filled length (to within kv_block), not Tp + T.
+   emitted a stop id (or T tokens). The layers run one by one on `Decoder.decode_weights()` (made
+   once per call: per-layer buffers in the compute dtype, fused projections). Attention over the
+   cache follows the filled length in one of two ways (`Sampler(attention=...)`):
+   * "pallas" (GPUs): `decode_attention`, a flash-decoding kernel that reads only each row's filled
+     cache blocks, in place; one loop for the whole generation.
+   * "xla": the loop is cut into *attention segments*: segment j covers steps
+     [(j-1)·kv_block, j·kv_block) and attends over the first Tp + j·kv_block cache slots only, so the
+     cost of a step follows the filled length to within kv_block.
 
 The cache is created inside the program and lives in the loop carry, updated in place: no cache
 crosses the program boundary, so there is nothing to copy or donate. Shapes are bucketed (prompt
@@ -30,11 +35,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from corl_jax.models.decode_attention import decode_attention
 from corl_jax.models.decoder import Decoder, KVCache, positions_from_mask
-from corl_jax.models.sharding import DEFAULT_RULES, batch_sharding, cache_shardings
+from corl_jax.models.sharding import DEFAULT_RULES, batch_sharding, cache_shardings, logical_to_spec
 from corl_jax.sampling.controls import SamplingParams, sample_tokens
 
 log = logging.getLogger(__name__)
+
+ATTENTION_IMPLS = ("auto", "pallas", "xla")
+CACHE_BLOCK = 64  # cache slots are allocated in multiples of the kernel's block
 
 
 @flax.struct.dataclass
@@ -103,13 +112,13 @@ class Sampler:
       buckets: shape buckets (see `Buckets`).
       compiler_options: XLA options for the sampler's programs only (e.g.
         {"xla_gpu_enable_command_buffer": "..."}); None keeps XLA's defaults.
-      unroll_layers: apply the decoder's layers one by one (static weight and cache slices) instead of a
-        layer scan (see `Decoder.__call__`): measured 8% faster decoding on an H200 for 2-5x the compile time.
+      attention: decode attention over the cache: "pallas" (the `decode_attention` kernel), "xla" (attention
+        segments of `buckets.kv_block` steps) or "auto" (pallas on GPUs, xla elsewhere; see the module docstring).
     """
 
     def __init__(self, model: Decoder, *, stop_ids: Sequence[int], pad_id: int = 0, mesh: Mesh | None = None,
                  rules=DEFAULT_RULES, buckets: Buckets = Buckets(), compiler_options: dict | None = None,
-                 unroll_layers: bool = False):
+                 attention: str = "auto"):
         vocab = model.config.vocab_size
         stop_ids = tuple(int(i) for i in stop_ids)
         bad = [i for i in stop_ids + (pad_id,) if not 0 <= i < vocab]
@@ -122,19 +131,21 @@ class Sampler:
         self.rules = rules
         self.buckets = buckets
         self.compiler_options = dict(compiler_options or {})
-        self.unroll_layers = bool(unroll_layers)
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown decode attention {attention!r}; use one of {ATTENTION_IMPLS}")
+        self.attention = ("pallas" if jax.default_backend() == "gpu" else "xla") if attention == "auto" else attention
         self.programs: dict[Any, Any] = {}  # (graphdef, key type, bucket) -> compiled program
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
     @classmethod
     def from_policy(cls, policy, *, stop_ids: Sequence[int] | None = None, buckets: Buckets = Buckets(),
-                    unroll_layers: bool = False) -> "Sampler":
+                    attention: str = "auto") -> "Sampler":
         """A sampler for a loaded `corl_jax.models.Policy` (stop ids from its checkpoint by default)."""
         tokenizer = policy.tokenizer
         if stop_ids is None:
             stop_ids = _policy_stop_ids(policy)
         return cls(policy.model, stop_ids=stop_ids, pad_id=tokenizer.pad_token_id, mesh=policy.mesh,
-                   rules=policy.rules, buckets=buckets, unroll_layers=unroll_layers)
+                   rules=policy.rules, buckets=buckets, attention=attention)
 
     def generate(self, prompt_ids, prompt_mask, *, num_samples: int, max_new_tokens: int,
                  params: SamplingParams, key: jax.Array) -> Completions:
@@ -161,7 +172,7 @@ class Sampler:
 
     def _program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
         bucket = dict(prompts=ids.shape[0], samples=num_samples, prompt_width=ids.shape[1], new_tokens=new_bucket,
-                      kv_block=self.buckets.kv_block, params=params, unroll_layers=self.unroll_layers)
+                      kv_block=self.buckets.kv_block, params=params, attention=self.attention)
         cache_key = (graphdef, str(key.dtype), key.shape, tuple(bucket.items()))  # typed or raw uint32 keys
         program = self.programs.get(cache_key)
         if program is None:
@@ -169,7 +180,7 @@ class Sampler:
             start = time.perf_counter()
             static = dict(graphdef=graphdef, num_samples=num_samples, new_bucket=new_bucket,
                           kv_block=self.buckets.kv_block, params=params, pad_id=self.pad_id, mesh=self.mesh,
-                          rules=self.rules, unroll_layers=self.unroll_layers)
+                          rules=self.rules, attention=self.attention)
             jitted = jax.jit(_generate, static_argnames=tuple(static))
             program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, **static).compile(
                 compiler_options=self.compiler_options or None)
@@ -181,25 +192,22 @@ class Sampler:
 
 
 def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphdef, num_samples, new_bucket, kv_block,
-              params: SamplingParams, pad_id, mesh, rules, unroll_layers) -> Completions:
+              params: SamplingParams, pad_id, mesh, rules, attention) -> Completions:
     """The whole generation program (see the module docstring)."""
-    # Weights in the compute dtype once (the decoder casts each use anyway): decode steps then read bf16, not
-    # fp32 master weights.
     model = nnx.merge(graphdef, state)
-    dtype = model.config.dtype
-    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
+    weights = model.decode_weights()
     P, Tp = prompt_ids.shape
     B = P * num_samples
     positions = positions_from_mask(prompt_mask)
-    hidden, cache = model.prefill(prompt_ids, positions, prompt_mask, model.init_cache(P, Tp), attend_len=Tp,
-                                  unroll_layers=unroll_layers)
-    cache = _grow(cache.repeat_batch(num_samples), Tp + new_bucket)
+    hidden, cache = model.prefill(prompt_ids, positions, prompt_mask, model.init_cache(P, Tp), attend_len=Tp)
+    cache = _grow(cache.repeat_batch(num_samples), round_up(Tp + new_bucket, CACHE_BLOCK))
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
-    logits = jnp.repeat(model.logits(hidden), num_samples, axis=0)
+    logits = jnp.repeat(weights.logits(hidden), num_samples, axis=0)
     first, first_logprob = sample_tokens(logits, jax.random.fold_in(key, 0), params)
     # Position of each row's first new token: one past its last prompt token.
     start_positions = jnp.repeat(positions[:, -1] + 1, num_samples)
+    cache_attention = _pallas_attention(cache, mesh, rules) if attention == "pallas" else None
 
     carry = _Carry(
         cache=cache,
@@ -212,9 +220,9 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphde
 
     def decode_step(c: _Carry, attend_len: int) -> _Carry:
         previous = jax.lax.dynamic_index_in_dim(c.tokens, c.step - 1, axis=1, keepdims=False)
-        hidden, cache = model.decode_step(previous, start_positions + c.step - 1, c.cache, attend_len=attend_len,
-                                          unroll_layers=unroll_layers)
-        tokens, logprobs = sample_tokens(model.logits(hidden), jax.random.fold_in(key, c.step), params)
+        hidden, cache = model.decode_step(previous, start_positions + c.step - 1, c.cache, weights,
+                                          attend_len=attend_len, cache_attention=cache_attention)
+        tokens, logprobs = sample_tokens(weights.logits(hidden), jax.random.fold_in(key, c.step), params)
         tokens = jnp.where(c.done, pad_id, tokens)
         logprobs = jnp.where(c.done, 0.0, logprobs)
         return _Carry(
@@ -226,7 +234,8 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphde
             step=c.step + 1,
         )
 
-    for end in segment_ends(new_bucket, kv_block):
+    segments = (new_bucket,) if attention == "pallas" else segment_ends(new_bucket, kv_block)
+    for end in segments:
         limit = jnp.minimum(end, max_new)
         carry = jax.lax.while_loop(
             lambda c, limit=limit: (c.step < limit) & ~jnp.all(c.done),
@@ -236,6 +245,24 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphde
     mask = jnp.arange(new_bucket)[None, :] < carry.lengths[:, None]
     return Completions(tokens=carry.tokens, mask=mask, logprobs=carry.logprobs, lengths=carry.lengths,
                        truncated=~carry.done)
+
+
+def _pallas_attention(cache: KVCache, mesh: Mesh | None, rules):
+    """`decode_attention` as the decoder's `cache_attention`; on a mesh it runs per shard (`shard_map` over the
+    batch and kv-head shards of the cache: every shard attends its own rows and heads)."""
+    if mesh is None:
+        return decode_attention
+    cache_spec = logical_to_spec(KVCache.logical_axes().k, cache.k.shape, mesh, rules)
+    batch, heads = cache_spec[1], cache_spec[2]
+    rows = jax.sharding.PartitionSpec(batch)
+    q_spec = jax.sharding.PartitionSpec(batch, heads, None)  # q heads split like the kv heads (groups stay whole)
+
+    def attend(q, k_cache, v_cache, layer, start, end):
+        per_shard = lambda *args: decode_attention(*args[:3], layer, *args[3:])  # noqa: E731
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=(q_spec, cache_spec, cache_spec, rows, rows),
+                             out_specs=q_spec, check_vma=False)(q, k_cache, v_cache, start, end)
+
+    return attend
 
 
 @flax.struct.dataclass
