@@ -30,16 +30,19 @@ from pathlib import Path
 
 from shapes import SHAPES
 
+from corl_jax.sampling import engine
+
 HBM_BYTES_PER_S = 4.3e12
-_DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION"
-_GRAPHS = {"xla_gpu_enable_command_buffer": _DEFAULT_COMMANDS + ",WHILE,CONDITIONAL"}
+_GRAPHS = {"xla_gpu_enable_command_buffer": engine.GPU_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"]}
 # Sampler variants: name -> (decode attention, attention segment width in steps for "xla" (0: the whole cache),
 # XLA options, decode_attention kernel settings for "pallas" (None: its defaults)).
 VARIANTS = {
-    "pallas": ("pallas", 0, {}, None),
+    "pallas": ("pallas", 0, {}, None),  # {}: XLA's own defaults, not the Sampler's GPU defaults
     "pallas+graphs": ("pallas", 0, _GRAPHS, None),
     "pallas+graphs:b32s128": ("pallas", 0, _GRAPHS, dict(block_k=32, split=128)),
     "pallas+graphs:b128s512": ("pallas", 0, _GRAPHS, dict(block_k=128, split=512)),
+    # cuBLAS for every matmul (XLA otherwise emits Triton split-K GEMMs for the small q/k/v and o projections)
+    "pallas+graphs+cublas": ("pallas", 0, engine.GPU_COMPILER_OPTIONS, None),  # the Sampler's default on GPUs
     "xla-seg128": ("xla", 128, {}, None),
     "xla-seg128+graphs": ("xla", 128, _GRAPHS, None),
     "xla-full+graphs": ("xla", 0, _GRAPHS, None),
@@ -104,11 +107,11 @@ def measure(args, name, model, config, n_params, ids, mask, params, new_tokens, 
     from corl_jax.sampling import Buckets, Sampler
 
     from corl_jax.models import decode_attention
-    from corl_jax.sampling import engine
 
     attention, kv_block, options, kernel = VARIANTS[variant]
     # kernel block sizes are not a Sampler setting: this script swaps the engine's kernel for a tuned partial
     engine.decode_attention = functools.partial(decode_attention.decode_attention, **(kernel or {}))
+    jax.clear_caches()  # or jit would reuse the trace made with the previous kernel settings
     sampler = Sampler(model, stop_ids=(), buckets=Buckets(prompt=64, new_tokens=256, kv_block=kv_block),
                       compiler_options=options, attention=attention)
     run = lambda n, seed: jax.block_until_ready(sampler.generate(  # noqa: E731

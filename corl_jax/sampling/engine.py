@@ -44,6 +44,13 @@ log = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = ("auto", "pallas", "xla")
 CACHE_BLOCK = 64  # cache slots are allocated in multiples of the kernel's block
+# XLA options of the sampler's programs on GPUs unless the caller gives its own: the whole decode loop as one CUDA
+# graph (command buffers with WHILE/CONDITIONAL) and cuBLAS for every matmul (instead of Triton split-K GEMMs for
+# the small projections). The fastest set measured on an H200 (experiments/results/bench_sampling.json).
+GPU_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+    "xla_gpu_enable_triton_gemm": False,
+}
 
 
 @flax.struct.dataclass
@@ -110,8 +117,8 @@ class Sampler:
       mesh, rules: shard the batch over the mesh's batch axes and the cache per `rules`
         (default: the model's `DEFAULT_RULES`); None runs on the default device.
       buckets: shape buckets (see `Buckets`).
-      compiler_options: XLA options for the sampler's programs only (e.g.
-        {"xla_gpu_enable_command_buffer": "..."}); None keeps XLA's defaults.
+      compiler_options: XLA options for the sampler's programs only; None: `GPU_COMPILER_OPTIONS` on GPUs,
+        XLA's defaults elsewhere ({} keeps XLA's defaults everywhere).
       attention: decode attention over the cache: "pallas" (the `decode_attention` kernel), "xla" (attention
         segments of `buckets.kv_block` steps) or "auto" (pallas on GPUs, xla elsewhere; see the module docstring).
     """
@@ -130,7 +137,9 @@ class Sampler:
         self.mesh = mesh
         self.rules = rules
         self.buckets = buckets
-        self.compiler_options = dict(compiler_options or {})
+        if compiler_options is None:
+            compiler_options = GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else {}
+        self.compiler_options = dict(compiler_options)
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"unknown decode attention {attention!r}; use one of {ATTENTION_IMPLS}")
         self.attention = ("pallas" if jax.default_backend() == "gpu" else "xla") if attention == "auto" else attention
