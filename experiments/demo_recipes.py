@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,12 @@ def _candidates() -> dict[str, tuple[str, dict]]:
                                     ("qwen3", "d48L4", 1500, 3e-3)):
         out[f"cpu3-{family}-{arch}-s{steps}-lr{lr:g}"] = (family, dict(architecture=ARCH[arch], steps=steps,
                                                                          learning_rate=lr))
+    # Fourth grid: strong bases of every family (a ring teaches well only when every teacher's vote is mostly
+    # right): 4-layer 64-wide models at lr 3e-3 with other seeds and longer runs; accuracy jumps between seeds.
+    for family, seed, steps in (("qwen2", 11, 1500), ("qwen2", 12, 1500), ("qwen2", 1, 2000), ("llama", 21, 1500),
+                                ("llama", 2, 2000), ("llama", 22, 2000), ("qwen3", 3, 1500), ("qwen3", 31, 1500)):
+        out[f"cpu4-{family}-seed{seed}-s{steps}"] = (family, dict(architecture=ARCH["d64L4"], steps=steps,
+                                                                  learning_rate=3e-3, seed=seed))
     return out
 
 
@@ -117,6 +124,8 @@ def main() -> None:
     parser.add_argument("--num-test", type=int, default=300)
     parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="demo_recipes_"))
     parser.add_argument("--deadline", type=float, default=3600, help="stop (kill) candidates after this many s")
+    parser.add_argument("--cores-per-job", type=int, default=0,
+                        help="pin each candidate to its own set of this many CPU cores (taskset; 0: no pinning)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this candidate, print its JSON
     args = parser.parse_args()
     if args.one:
@@ -133,13 +142,21 @@ def main() -> None:
 
     start = time.time()
 
+    free_cores = queue.Queue()
+    for slot in range(args.parallel):
+        free_cores.put(list(range(slot * args.cores_per_job, (slot + 1) * args.cores_per_job)))
+
     def launch(name):
+        cores = free_cores.get()
+        pin = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
         try:
-            proc = subprocess.run([sys.executable, __file__, f"--one={name}", f"--num-test={args.num_test}",
+            proc = subprocess.run([*pin, sys.executable, __file__, f"--one={name}", f"--num-test={args.num_test}",
                                    f"--workdir={args.workdir}"], capture_output=True, text=True, env=env, cwd=REPO,
                                   timeout=max(args.deadline - (time.time() - start), 1))
         except subprocess.TimeoutExpired:
             return name, dict(error=f"killed at the {args.deadline:.0f} s deadline")
+        finally:
+            free_cores.put(cores)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             return name, dict(error=proc.stderr[-1500:])
