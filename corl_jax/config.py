@@ -99,6 +99,7 @@ def base_config() -> ml_collections.ConfigDict:
             "eval_every": 10,
             "eval_on_start": True,
             "eval_temperature": 0.6,
+            "eval_samples_per_prompt": 1,  # eval accuracy is the mean over this many samples (the reference: 1)
             "eval_max_new_tokens": 1024,
             "eval_batch_prompts": 64,
             "save_every": 10,
@@ -181,6 +182,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
                   "pick a divisor of prompts_per_step * num_generations")
     if config.placement not in PLACEMENTS:
         fail("placement", f"unknown {config.placement!r}", f"use one of {PLACEMENTS}")
+    if config.train.eval_samples_per_prompt < 1:
+        fail("train.eval_samples_per_prompt", "must be at least 1", "set 1 (the reference) or more")
     if config.train.max_steps < 1:
         fail("train.max_steps", "must be at least 1", "set a positive number of steps")
 

@@ -41,9 +41,11 @@ class EvalHistory:
 
 
 def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
-    """Ground-truth accuracy per agent: 1 sample per prompt at `train.eval_temperature` (the reference: 0.6),
-    graded against the gold answer with the method's grader (§1.12, §6.1)."""
+    """Ground-truth accuracy per agent: the mean over `train.eval_samples_per_prompt` samples per prompt (the
+    reference: 1) at `train.eval_temperature` (the reference: 0.6), graded against the gold answer with the method's
+    grader (§1.12, §6.1). More samples per prompt shrink the sampling noise of a before/after comparison."""
     t = cohort.config.train
+    k = t.eval_samples_per_prompt
     accuracies = {}
     for agent in cohort.agents:
         correct = 0
@@ -51,12 +53,12 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
             chunk = problems[start:start + t.eval_batch_prompts]
             key = jax.random.fold_in(agent.step_key(step, 2), start)
             texts = [getattr(p, agent.text_field) or p.text for p in chunk]
-            rollouts = cohort.finish(agent, cohort.sample(agent, texts, key, num_samples=1,
+            rollouts = cohort.finish(agent, cohort.sample(agent, texts, key, num_samples=k,
                                                           max_new_tokens=t.eval_max_new_tokens,
                                                           temperature=t.eval_temperature))
-            correct += sum(cohort.grader(math_answers.extract_answer(text), p.answer)
-                           for text, p in zip(rollouts.texts, chunk))
-        accuracies[agent.name] = correct / len(problems)
+            correct += sum(cohort.grader(math_answers.extract_answer(text), chunk[i // k].answer)
+                           for i, text in enumerate(rollouts.texts))  # prompt-major: row p*k + j
+        accuracies[agent.name] = correct / (len(problems) * k)
     return accuracies
 
 

@@ -250,3 +250,36 @@ def test_truncated_completions_masked_on_request(mask_truncated):
     expected = np.where(truncated & mask_truncated, 0, t)
     np.testing.assert_array_equal(loss_rows, expected)
     assert np.asarray(batch["attention"]).all()  # masking the loss never hides tokens from attention
+
+
+@pytest.mark.parametrize("samples_per_prompt", [1, 3])
+def test_eval_accuracy_is_the_mean_over_samples_of_each_prompt(samples_per_prompt, monkeypatch):
+    """Rows come back prompt-major (row p*k + j). Every row answers its own prompt's gold except the first sample of
+    each even-numbered problem, so accuracy = 1 - 3 / (6 * k) for 6 problems."""
+    from corl_jax import arithmetic
+    from corl_jax.cohort import Cohort, load_agents
+    from corl_jax.loop import evaluate
+
+    k = samples_per_prompt
+    config = load_config("gt_reward")
+    config.train.update(eval_samples_per_prompt=k, eval_batch_prompts=4)  # two chunks: 4 + 2 prompts
+    cohort = Cohort(config, load_agents(config, 1))
+    problems = arithmetic.generate("test", 6)
+    index = {p.text: n for n, p in enumerate(problems)}
+    prompts = []
+    real_sample, real_finish = Cohort.sample, Cohort.finish
+
+    def sample(self, agent, texts, key, **kwargs):
+        prompts[:] = texts
+        return real_sample(self, agent, texts, key, **kwargs)
+
+    def finish(self, agent, rollouts):
+        rollouts = real_finish(self, agent, rollouts)
+        owners = [index[prompts[row // k]] for row in range(len(rollouts.texts))]
+        rollouts.texts = ["no answer" if row % k == 0 and n % 2 == 0 else f"\\boxed{{{problems[n].answer}}}"
+                          for row, n in enumerate(owners)]
+        return rollouts
+
+    monkeypatch.setattr(Cohort, "sample", sample)
+    monkeypatch.setattr(Cohort, "finish", finish)
+    assert evaluate(cohort, problems, 0)["qwen25"] == pytest.approx(1 - 3 / (6 * k))
