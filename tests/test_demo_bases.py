@@ -134,3 +134,17 @@ def test_ring3_demo_variant_trains_on_the_bases(cache, tmp_path):
     summary = train(config, str(tmp_path))
     assert summary["steps"] == 2 and set(summary["agents"]) == set(config.agents.keys())
     assert all(0.0 <= s["final_accuracy"] <= 1.0 for s in summary["agents"].values())
+
+
+def test_majority_correct_follows_the_reference_vote():
+    """Plurality of the parseable answers, ties to the first seen, unparseable completions ignored."""
+    from corl_jax.data import Problem
+
+    problems = [Problem(i, "q", answer, "t") for i, answer in enumerate(["3", "4", "5", "6"])]
+    texts = [
+        ["\\boxed{3}", "\\boxed{4}", "so \\boxed{3}"],    # plurality right
+        ["\\boxed{7}", "\\boxed{4}", "no idea"],          # tie 7/4: the first seen (7) wins, wrong
+        ["no idea", "nothing", "\\boxed{5}"],            # one parseable, right
+        ["no idea", "still none", "hmm"],                 # nothing parseable
+    ]
+    np.testing.assert_array_equal(demo_bases.majority_correct(texts, problems), [True, False, True, False])
