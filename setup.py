@@ -39,6 +39,8 @@ EXTRAS = {
     ],
     # Hugging Face hub datasets as a training source (`hf:<name>[:split]`).
     "hf": ["datasets>=3.0"],
+    # plots of the evidence scripts under experiments/
+    "experiments": ["matplotlib>=3.8"],
     "gpu": ["jax[cuda13]>=0.10.2,<0.13"],
     "tpu": ["jax[tpu]>=0.10.2,<0.13"],
 }

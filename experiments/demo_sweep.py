@@ -165,9 +165,21 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="extra --config.* flag for every run")
     parser.add_argument("--workdirs", default=tempfile.mkdtemp(prefix="demo_sweep_"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plots of <out>/sweep.json")
+    parser.add_argument("--merge", nargs="+", default=[],
+                        help="sweep.json files (e.g. seeds run on different machines) whose runs make <out>/sweep.json")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        runs = [dict(r, device=p.get("device"), sweep=f) for f, p in zip(args.merge, parts) for r in p["runs"]]
+        payload = dict(command=" ".join(sys.argv), merged=[dict(file=f, command=p["command"], device=p.get("device"),
+                                                                note=p.get("note", "")) for f, p in zip(args.merge, parts)],
+                       bases=parts[0].get("bases"), runs=runs, summary=aggregate(runs))
+        payload["plots"] = plot(payload, out)
+        (out / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")
+        print(json.dumps(payload["summary"], indent=1))
+        return
     if args.replot:
         payload = json.loads((out / "sweep.json").read_text())
         payload["plots"] = plot(payload, out)

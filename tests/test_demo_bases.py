@@ -8,9 +8,11 @@ is cached and atomic. The full build (minutes) is not run here.
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import corl_jax.models as models
 from corl_jax import arithmetic, demo_bases, zoo
@@ -50,7 +52,7 @@ def test_checkpoint_loads_in_transformers_with_our_logits(cache, family):
     assert np.abs(ours - theirs)[mask].max() <= 1e-4
 
 
-def test_families_differ_in_tokenizer_and_architecture(cache):
+def test_families_differ_in_tokenizer_architecture_and_size(cache):
     policies = {f: models.from_pretrained(d, dtype=jnp.float32) for f, d in cache.items()}
     text = arithmetic.generate("test", 1)[0].text
     prompts = {f: p.tokenizer(chat_prompt(p.tokenizer, text), add_special_tokens=False)["input_ids"]
@@ -60,7 +62,8 @@ def test_families_differ_in_tokenizer_and_architecture(cache):
         assert policy.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("1234")[0][0] == (
             "123" if family == "llama" else "1")
     assert policies["qwen2"].tokenizer.decode(prompts["qwen2"]) == chat_prompt(policies["qwen2"].tokenizer, text)
-    assert len({(p.config.hidden_size, p.config.num_layers) for p in policies.values()}) == len(FAMILIES)
+    sizes = {sum(x.size for x in jax.tree.leaves(nnx.state(p.model, nnx.Param))) for p in policies.values()}
+    assert len(sizes) == len(FAMILIES)  # qkv biases (qwen2), q/k norms (qwen3), untied unembedding (llama)
     assert {f: p.config.model_type for f, p in policies.items()} == {"qwen2": "qwen2", "llama": "llama",
                                                                      "qwen3": "qwen3"}
 
