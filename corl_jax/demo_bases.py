@@ -67,11 +67,12 @@ class Recipe:
 
 
 # Sized for a 2-core CPU on the demo world (`arithmetic.DEMO_WORLD`). A ring teaches well only when every teacher's
-# vote is mostly right, so every family gets a 4-layer 64-wide model; each keeps its own tokenizer (Qwen-style single
-# digits with a 384- or 640-token BPE, Llama-3-style groups of up to three digits with a 1024-token BPE) and seed.
+# vote is mostly right, so every family gets a 4-layer 64-wide model, with its own seed and tokenizer recipe (Qwen-style
+# single digits, Llama-3-style groups of up to three digits). The BPE budgets saturate on this corpus: both Qwen-style
+# bases end with the same 369-token vocabulary (+ specials), the Llama-style one with 448 tokens.
 # Accuracy after SFT jumps between seeds and step counts (experiments/results/demo_recipes/grid4_device_cpu.json:
 # other seeds of the same recipes end at 26-35%); these three, rebuilt on this project's 2-core CPU: 73% / 56% / 73%
-# (300 test problems, one sample at T=0.6) in 356 / 251 / 334 s.
+# (300 test problems, one sample at T=0.6) in 356 / 251 / 334 s (demo_recipes/grid4_local_cpu.json).
 _D64L4 = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16)
 RECIPES = {
@@ -182,17 +183,14 @@ def train_sft(model, ids: np.ndarray, loss_mask: np.ndarray, recipe: Recipe, *,
 
 
 def measure_accuracy(directory, problems, *, temperature: float = 0.6, max_new_tokens: int = 192, seed: int = 0,
-                     batch_prompts: int = 128, num_samples: int = 1) -> np.ndarray:
-    """Per-sample correctness (bool [N], or [N, num_samples] when num_samples > 1) of the checkpoint at
-    `directory`: samples at `temperature` (0: greedy) with the sampling engine, graded against the gold answer
-    like the in-loop eval."""
+                     batch_prompts: int = 128) -> np.ndarray:
+    """Per-problem correctness (bool [N]) of the checkpoint at `directory`: one sample per problem at
+    `temperature` (0: greedy) with the sampling engine, graded against the gold answer like the in-loop eval."""
     from corl_jax.answers.math import extract_answer, grade_answer
 
     texts = sample_texts(directory, problems, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                         batch_prompts=batch_prompts, num_samples=num_samples)
-    correct = np.array([[grade_answer(extract_answer(t), p.answer) for t in row] for row, p in zip(texts, problems)],
-                       bool)
-    return correct[:, 0] if num_samples == 1 else correct
+                         batch_prompts=batch_prompts, num_samples=1)
+    return np.array([grade_answer(extract_answer(row[0]), p.answer) for row, p in zip(texts, problems)], bool)
 
 
 def majority_correct(texts, problems) -> np.ndarray:

@@ -41,7 +41,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--remat", default="dots_no_batch", choices=REMAT_POLICIES)
     parser.add_argument("--attention", default="auto", choices=ATTENTION_IMPLS)
-    parser.add_argument("--decode-attention", default="auto", choices=SAMPLER_ATTENTION, help="rollout.decode_attention")
+    parser.add_argument("--decode-attention", default="auto", choices=SAMPLER_ATTENTION,
+                        help="rollout.decode_attention")
     parser.add_argument("--shapes", type=lambda v: v.split(","),
                         default=["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"])
     args = parser.parse_args()

@@ -95,7 +95,8 @@ def _kernel(start_ref, end_ref, q_ref, k_ref, v_ref, out_ref, max_ref, sum_ref, 
         correction = jnp.exp(running_max - new_max)
         probs = jnp.exp(scores - new_max[:, None])
         v = v_ref[pl.ds(offset, block_k), :]
-        acc = acc * correction[:, None] + jnp.dot(probs.astype(v.dtype), v, precision=precision, preferred_element_type=_F32)
+        weighted = jnp.dot(probs.astype(v.dtype), v, precision=precision, preferred_element_type=_F32)
+        acc = acc * correction[:, None] + weighted
         return acc, new_max, running_sum * correction + probs.sum(axis=1)
 
     init = (jnp.zeros((rows, hd), _F32), jnp.full((rows,), -1e30, _F32), jnp.zeros((rows,), _F32))

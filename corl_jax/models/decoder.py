@@ -179,7 +179,7 @@ class Decoder(nnx.Module):
         hidden, cache = self._extend(input_ids, positions, attention_mask, cache, attend_len)
         return hidden[:, -1], cache
 
-    def decode_weights(self) -> "DecodeWeights":
+    def decode_weights(self) -> DecodeWeights:
         """The current weights in the compute dtype, laid out for decoding (see `DecodeWeights`)."""
         c = self.config
         dt = c.dtype
@@ -198,18 +198,17 @@ class Decoder(nnx.Module):
         return DecodeWeights(embed=embed, unembed=unembed, final_norm=self.final_norm[...].astype(dt),
                              layers=tuple(layers))
 
-    def decode_step(self, tokens, positions, cache: KVCache, weights: "DecodeWeights | None" = None, *,
+    def decode_step(self, tokens, positions, cache: KVCache, weights: DecodeWeights, *,
                     attend_len: int | None = None, cache_attention=None):
         """One token per row: tokens, positions int32 [B] -> (hidden [B, D], updated cache).
 
         The token is written at slot `cache.index` (then index += 1). The layers run one by one on `weights`
-        (default: `self.decode_weights()`; pass them in to prepare them once per generation). Attention reads
+        (`self.decode_weights()`, made once per generation, not per step). Attention reads
         either the static prefix [0, attend_len) of the cache (XLA; default the whole cache, the caller keeps
         attend_len > index), or, with `cache_attention(q [B, H, hd], k_cache, v_cache, layer, start, end)`
         (e.g. `decode_attention.decode_attention`), only each row's filled slots [first real slot, index]: the
         prompts are left-padded and every later slot is filled, so this is the same set as the mask's."""
         c = self.config
-        weights = self.decode_weights() if weights is None else weights
         slot_mask = jax.lax.dynamic_update_slice(cache.mask, jnp.ones((tokens.shape[0], 1), bool), (0, cache.index))
         attend_len = cache.max_len if attend_len is None else attend_len
         mask = slot_mask[:, None, :attend_len]  # slots after `index` are still empty: causal by construction
@@ -264,7 +263,8 @@ class Decoder(nnx.Module):
 
             def attend(q, k, v):
                 if kv is None:
-                    return (_fused_attention(q, k, v, mask) if c.fused_attention else _attention(q, k, v, mask, c)), None
+                    attn = _fused_attention(q, k, v, mask) if c.fused_attention else _attention(q, k, v, mask, c)
+                    return attn, None
                 # write this block's K/V at `cache.index`, then read the attended prefix
                 ck, cv = (_write_slot(x, new, layer, cache.index) for x, new in zip(kv, (k, v)))
                 size = (1, *ck.shape[1:3], attend_len, ck.shape[4])
