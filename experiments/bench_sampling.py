@@ -43,6 +43,10 @@ VARIANTS = {
     "pallas+graphs:b128s512": ("pallas", 0, _GRAPHS, dict(block_k=128, split=512)),
     # cuBLAS for every matmul (XLA otherwise emits Triton split-K GEMMs for the small q/k/v and o projections)
     "pallas+graphs+cublas": ("pallas", 0, engine.GPU_COMPILER_OPTIONS, None),  # the Sampler's default on GPUs
+    "pallas+graphs+cublas:w8": ("pallas", 0, engine.GPU_COMPILER_OPTIONS, dict(num_warps=8)),
+    "pallas+graphs+cublas:st3": ("pallas", 0, engine.GPU_COMPILER_OPTIONS, dict(num_stages=3)),
+    "pallas+graphs+cublas:b128s512": ("pallas", 0, engine.GPU_COMPILER_OPTIONS, dict(block_k=128, split=512)),
+    "pallas+graphs+cublas:s128": ("pallas", 0, engine.GPU_COMPILER_OPTIONS, dict(split=128)),
     "xla-seg128": ("xla", 128, {}, None),
     "xla-seg128+graphs": ("xla", 128, _GRAPHS, None),
     "xla-full+graphs": ("xla", 0, _GRAPHS, None),
@@ -208,16 +212,22 @@ def bench_sampling_step(args):
     cases = [("flat", logits, p) for p in (SamplingParams(), SamplingParams(temperature=0.6, min_p=0.05),
                                            SamplingParams(top_k=50), SamplingParams(top_p=0.95))]
     cases.append(("peaked", logits * 4, SamplingParams(top_p=0.95)))
+    def gumbel_max(logits, key, params):  # the previous default draw (one Gumbel number per vocabulary entry)
+        z = logits / params.temperature
+        return jnp.argmax(z + jax.random.gumbel(key, z.shape), axis=-1), jax.nn.logsumexp(z, axis=-1)
+
+    cases.append(("flat", logits, SamplingParams(), gumbel_max))
     rows = []
-    for kind, logits, params in cases:
-        fn = jax.jit(sample_tokens, static_argnums=2)
+    for kind, logits, params, *draw in cases:
+        fn = jax.jit(draw[0] if draw else sample_tokens, static_argnums=2)
         jax.block_until_ready(fn(logits, jax.random.key(1), params))
         times = []
         for i in range(20):
             start = time.perf_counter()
             jax.block_until_ready(fn(logits, jax.random.key(i), params))
             times.append(time.perf_counter() - start)
-        row = dict(logits=kind, params=str(params), batch=batch, vocab=vocab, ms=round(1e3 * sorted(times)[10], 3))
+        row = dict(logits=kind, params=str(params), draw="gumbel-max" if draw else "sample_tokens", batch=batch,
+                   vocab=vocab, ms=round(1e3 * sorted(times)[10], 3))
         print(row, flush=True)
         rows.append(row)
     return rows

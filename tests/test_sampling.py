@@ -10,7 +10,7 @@ import scipy.stats
 import jax
 import jax.numpy as jnp
 
-from corl_jax.sampling.controls import SamplingParams, sample_tokens, truncation_threshold
+from corl_jax.sampling.controls import SamplingParams, _first_above, draw, sample_tokens, truncation_threshold
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +94,32 @@ def test_token_frequencies_match_truncated_softmax(params):
     kept = want > 0
     result = scipy.stats.chisquare(counts[kept], draws * want[kept])
     assert result.pvalue > 1e-3, (result, counts, draws * want)
+
+
+def test_draw_inverts_the_cdf_like_a_naive_float64_search():
+    """Block-wise inverse CDF against the textbook one with the same uniform, over a vocabulary of several
+    blocks (not a multiple of the block) with dropped tokens and a wholly dropped block."""
+    rows, vocab = 512, 1000
+    z = np.array(jax.random.normal(jax.random.key(7), (rows, vocab)) * 2, np.float32)
+    z[:, ::3] = -np.inf
+    z[:, 128:256] = -np.inf
+    key = jax.random.key(8)
+    tokens, normalizer = jax.jit(draw)(jnp.asarray(z), key)
+    tokens = np.asarray(tokens)
+    assert np.all(np.isfinite(z[np.arange(rows), tokens])), "drew a dropped token"
+    np.testing.assert_allclose(normalizer, scipy.special.logsumexp(z.astype(np.float64), axis=-1), rtol=1e-6)
+    u = np.asarray(jax.random.uniform(key, (rows,), jnp.float32), np.float64)
+    cdf = np.cumsum(scipy.special.softmax(z.astype(np.float64), axis=-1), axis=-1)
+    want = (cdf <= u[:, None]).sum(axis=-1)
+    clear = np.abs(cdf - u[:, None]).min(axis=-1) > 1e-5  # u not within float32 rounding of a CDF step
+    assert clear.sum() > 0.95 * rows
+    np.testing.assert_array_equal(tokens[clear], want[clear])
+
+
+def test_a_target_rounded_onto_the_total_mass_picks_the_last_kept_token():
+    cumulative = jnp.array([[1.0, 2.0, 2.0, 2.0], [0.5, 1.5, 2.5, 3.0]])
+    nonzero = jnp.array([[True, True, False, False], [True, True, True, True]])
+    np.testing.assert_array_equal(_first_above(cumulative, jnp.array([2.0, 1.5]), nonzero), [1, 2])
 
 
 def test_sampling_depends_only_on_the_key():

@@ -25,12 +25,13 @@ _MIN_ROWS = 16  # tensor-core tiles need at least 16 query rows
 
 
 def decode_attention(q, k_cache, v_cache, layer: int, start, end, *, block_k: int = 64, split: int = 256,
-                     interpret: bool | None = None):
+                     num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None):
     """Attention of one token per row over cache slots [start, end).
 
     q: [B, H, hd] (compute dtype); k_cache, v_cache: [L, B, H_kv, S, hd]; layer: static layer index;
     start, end: int32 [B] with 0 <= start < end <= S. S must be a multiple of `block_k` and `split` a multiple of
-    `block_k`. Returns [B, H, hd] in q's dtype; scores, softmax and accumulation in float32.
+    `block_k`. num_warps, num_stages: Triton settings of the compiled kernel. Returns [B, H, hd] in q's dtype;
+    scores, softmax and accumulation in float32.
     """
     B, H, hd = q.shape
     K, S = k_cache.shape[2], k_cache.shape[3]
@@ -55,7 +56,7 @@ def decode_attention(q, k_cache, v_cache, layer: int, start, end, *, block_k: in
         out_shape=[jax.ShapeDtypeStruct((B, K, splits, rows, hd), _F32),
                    jax.ShapeDtypeStruct((B, K, splits, rows), _F32),
                    jax.ShapeDtypeStruct((B, K, splits, rows), _F32)],
-        compiler_params=None if interpret else _triton_params(),
+        compiler_params=None if interpret else _triton_params(num_warps, num_stages),
         interpret=interpret,
         name="decode_attention",
     )(start.astype(jnp.int32), end.astype(jnp.int32), grouped, k_cache, v_cache)
@@ -67,10 +68,10 @@ def decode_attention(q, k_cache, v_cache, layer: int, start, end, *, block_k: in
     return out[:, :, :g].reshape(B, H, hd).astype(q.dtype)
 
 
-def _triton_params():
+def _triton_params(num_warps, num_stages):
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _kernel(start_ref, end_ref, q_ref, k_ref, v_ref, out_ref, max_ref, sum_ref, *, block_k, split, scale):

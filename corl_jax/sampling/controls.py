@@ -3,9 +3,11 @@
 Every truncation used here keeps an *upper set* of the temperature-scaled logits `z = logits / T`,
 so the whole pipeline (vLLM's order: temperature -> min_p -> top_k -> top_p, each on the
 renormalised result of the previous) reduces to one threshold per row: token i is kept iff
-`z_i >= threshold`. Sampling is then Gumbel-max over the kept tokens and the logprob is
-`z_tok - logsumexp(z[kept])`; both are reductions over the vocabulary that XLA fuses, so the
-default path (top_p = 1, top_k = 0, min_p = 0) does no sort and no top-k at all.
+`z_i >= threshold`. A token is then drawn by inverting the CDF of softmax(z[kept]) with one
+uniform number per row (block masses, then one block's entries: two passes over the vocabulary, no
+per-token random numbers, which cost more than the rest of the step's sampling together on an
+H200), and the logprob is `z_tok - logsumexp(z[kept])`. The default path (top_p = 1, top_k = 0,
+min_p = 0) does no sort and no top-k at all.
 
 Definitions (ties are treated symmetrically: equal logits are all kept or all dropped):
   * min_p: keep p_i >= min_p * max_j p_j.
@@ -89,14 +91,41 @@ def sample_tokens(
     z = logits / params.temperature
     if params.truncates:
         threshold = truncation_threshold(z, params)
-        z_kept = jnp.where(z >= threshold, z, -jnp.inf)
-    else:
-        z_kept = z
-    gumbel = jax.random.gumbel(key, z.shape, jnp.float32)
-    tokens = jnp.argmax(z_kept + gumbel, axis=-1).astype(jnp.int32)
+        z = jnp.where(z >= threshold, z, -jnp.inf)
+    tokens, normalizer = draw(z, key)
     if params.logprobs == "raw":
         return tokens, _token_logprob(logits, tokens, logits_normalizer(logits))
-    return tokens, _token_logprob(z, tokens, logits_normalizer(z_kept))
+    return tokens, _token_logprob(z, tokens, normalizer)
+
+
+def draw(z: jax.Array, key: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
+    """One token per row of scaled logits `z` [B, V] (-inf = dropped) from softmax(z), by inverse CDF.
+
+    A uniform u in [0, total mass) picks the block of `block` tokens whose cumulative mass first exceeds u,
+    then the token inside it. Returns (tokens int32 [B], logsumexp(z) [B]).
+    """
+    batch, vocab = z.shape
+    blocks = -(-vocab // block)
+    top = jnp.max(z, axis=-1, keepdims=True)
+    padded = jnp.pad(z, ((0, 0), (0, blocks * block - vocab)), constant_values=-jnp.inf)
+    mass = jnp.exp(padded - top).reshape(batch, blocks, block)  # unnormalised probabilities
+    block_mass = mass.sum(axis=-1)
+    cumulative = jnp.cumsum(block_mass, axis=-1)
+    total = cumulative[:, -1]
+    target = jax.random.uniform(key, (batch,), jnp.float32) * total
+    chosen = _first_above(cumulative, target, block_mass > 0)
+    inside = jnp.take_along_axis(mass, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
+    before = jnp.take_along_axis(cumulative - block_mass, chosen[:, None], axis=1)[:, 0]
+    offset = _first_above(jnp.cumsum(inside, axis=-1), target - before, inside > 0)
+    return (chosen * block + offset).astype(jnp.int32), top[:, 0] + jnp.log(total)
+
+
+def _first_above(cumulative: jax.Array, target: jax.Array, nonzero: jax.Array) -> jax.Array:
+    """Per row, the first index whose nondecreasing `cumulative` [B, N] exceeds `target` [B]; when rounding
+    leaves none above, the last index with nonzero mass (so a dropped token is never chosen)."""
+    first = jnp.sum(cumulative <= target[:, None], axis=-1)
+    last_nonzero = cumulative.shape[-1] - 1 - jnp.argmax(nonzero[:, ::-1], axis=-1)
+    return jnp.minimum(first, last_nonzero)
 
 
 def logits_normalizer(z: jax.Array) -> jax.Array:
