@@ -40,6 +40,9 @@ CONDITIONS = {
     "pair_llama_qwen3": ("pair_different_family", ["--config.agents.qwen25.model_path={variant}:llama",
                                                    "--config.agents.llama32.model_path={variant}:qwen3"]),
     "different_family_plus": ("different_family_plus", []),
+    # the ring with a larger step for the Llama-style agent only (it does not gain at the shared 3e-5)
+    "ring3_llama_lr1e-4": ("ring3", ["--config.agents.llama32.learning_rate=1e-4"]),
+    "ring3_llama_lr3e-4": ("ring3", ["--config.agents.llama32.learning_rate=3e-4"]),
 }
 T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
