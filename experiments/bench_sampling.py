@@ -16,6 +16,7 @@ Usage (GPU; each part prints a table and writes one JSON):
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import functools
 import gzip
 import json
@@ -289,13 +290,14 @@ def _our_config(name):
 
 # ------------------------------------------------------------------------------------------ main
 
-def versions():
+def versions(packages=("jax", "jaxlib", "flax", "torch", "transformers")):
+    """Python's and the installed distributions' versions (None where one is missing)."""
     out = {"python": platform.python_version()}
-    for module in ("jax", "jaxlib", "flax", "torch", "transformers"):
+    for dist in packages:
         try:
-            out[module] = __import__(module).__version__
-        except ImportError:
-            out[module] = None
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
     return out
 
 
@@ -307,14 +309,22 @@ def device_name():
         return platform.processor() or "unknown"
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+def _ints(text):
+    return [int(x) for x in text.split(",")]
+
+
+def add_shape_arguments(p, new_tokens):
+    """The shape flags shared with the peers' scripts: models, prompts, samples per prompt, prompt and new tokens."""
     p.add_argument("--models", type=lambda s: s.split(","), default=[m for m in SHAPES if m != "tiny"])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--new-tokens", type=ints, default=[512, 1024])
+    p.add_argument("--new-tokens", type=_ints, default=new_tokens)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_arguments(p, [512, 1024])
     p.add_argument("--variants", type=lambda s: s.split(","), default=["pallas+graphs"],
                    help=f"sampler variants, from {list(VARIANTS)}; with several, all are measured on the first "
                         "model and length and the fastest is used for the rest")
@@ -323,7 +333,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--hf-peer", choices=["run", "none", "only"], default="run",
                    help="run the transformers peer in a subprocess first (none: skip; only: this process is it)")
-    p.add_argument("--hf-new-tokens", type=ints, default=[512])
+    p.add_argument("--hf-new-tokens", type=_ints, default=[512])
     p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--dump-dir", default=None, help="write optimised HLO and a kernel profile here")
     p.add_argument("--sampling-step", action="store_true", help="also time sample_tokens alone")
