@@ -4,8 +4,10 @@ Two kinds of problem, each a chain of 2-5 integer operations (its `level`):
   * expressions such as "(17 + 5) * 3 - 8": a random tree whose every intermediate value is a whole number in
     [1, max_value] (MAX_VALUE by default; a smaller bound makes an easier world);
   * word problems from templates (shopping, sharing, ages, rates, ...).
-Every problem has a second surface form with the same answer (other words, other operand order) for Different
-family+, and a worked solution ending in \\boxed{answer}.
+Every problem has a second surface form with the same answer for Different family+ (`rephrasing`: "words", the
+operations spoken in other words and operand order; or "symbols", an expression's operands of + and * swapped under
+another instruction verb, which a base trained on symbolic problems can read), and a worked solution ending in
+\\boxed{answer}.
 
 Splits: `sft` (labeled, for warm-starting base models), `rl` (prompts for label-free training; answers only for
 diagnostics), `test` (held out). A problem's split is a hash of its canonical form, a key that ignores surface
@@ -31,6 +33,8 @@ LEVELS = (2, 3, 4, 5)
 MAX_VALUE = 200  # bound on every number in an expression, leaves and intermediate values alike
 # The easier world of the embedded CPU demo (`configs/*.py:demo`): short expressions with small numbers, which
 # bases of ~100k parameters learn in about two CPU minutes (experiments/results/demo_recipes/).
+REPHRASINGS = ("words", "symbols")
+VERBS = ("Compute", "Evaluate", "Calculate")  # the instruction of an expression problem
 DEMO_WORLD = dict(levels=(2, 3), word_fraction=0.0, max_value=60)
 WORD_FRACTION = 0.5
 OPS: dict[str, Callable[[int, int], int]] = {
@@ -92,8 +96,10 @@ def split_of(canonical: str) -> str:
 
 
 def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LEVELS,
-                   word_fraction: float = WORD_FRACTION, max_value: int = MAX_VALUE) -> list[Item]:
-    """`n` distinct problems of `split`, the same for the same arguments."""
+                   word_fraction: float = WORD_FRACTION, max_value: int = MAX_VALUE,
+                   rephrasing: str = "words") -> list[Item]:
+    """`n` distinct problems of `split`, the same for the same arguments (`rephrasing` changes only the
+    rephrased text of expressions)."""
     if split not in SPLITS:
         raise ValueError(f"unknown arithmetic split {split!r}; use one of {SPLITS}")
     if not levels or not set(levels) <= set(LEVELS):
@@ -102,6 +108,8 @@ def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LE
         raise ValueError(f"max_value={max_value} must lie in [10, {MAX_VALUE}]")
     if not 0 <= word_fraction <= 1:
         raise ValueError(f"word_fraction={word_fraction} must lie in [0, 1]")
+    if rephrasing not in REPHRASINGS:
+        raise ValueError(f"unknown rephrasing {rephrasing!r}; use one of {REPHRASINGS}")
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     items: list[Item] = []
     seen: set[str] = set()
@@ -113,7 +121,7 @@ def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LE
         if templates and rng.random() < word_fraction:
             item = templates[int(rng.integers(len(templates)))](rng)
         else:
-            item = _expression_item(rng, level, max_value)
+            item = _expression_item(rng, level, max_value, rephrasing)
         if split_of(item.canonical) == split and item.canonical not in seen:
             seen.add(item.canonical)
             items.append(item)
@@ -122,10 +130,11 @@ def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LE
 
 
 def generate(split: str = "rl", n: int | None = None, seed: int = 0, levels: Sequence[int] = LEVELS,
-             word_fraction: float = WORD_FRACTION, max_value: int = MAX_VALUE) -> list[Problem]:
+             word_fraction: float = WORD_FRACTION, max_value: int = MAX_VALUE,
+             rephrasing: str = "words") -> list[Problem]:
     """The split as Problem rows (ids 0..n-1); `n` defaults to DEFAULT_SIZES[split]."""
     n = DEFAULT_SIZES.get(split, 0) if n is None else n
-    items = generate_items(split, n, seed, levels, word_fraction, max_value)
+    items = generate_items(split, n, seed, levels, word_fraction, max_value, rephrasing)
     return [item.problem(i, split) for i, item in enumerate(items)]
 
 
@@ -150,16 +159,20 @@ def write_splits(out_dir: str, sizes: Mapping[str, int] = DEFAULT_SIZES, seed: i
 # A tree is an int (a leaf) or a tuple (op, left, right).
 
 
-def _expression_item(rng: np.random.Generator, n_ops: int, max_value: int) -> Item:
+def _expression_item(rng: np.random.Generator, n_ops: int, max_value: int, rephrasing: str) -> Item:
     tree = _int(rng, 2, min(99, max_value))
     for _ in range(n_ops):
         paths = list(_leaf_paths(tree))
         path = paths[int(rng.integers(len(paths)))]
         tree = _replace(tree, path, _split_value(rng, _subtree(tree, path), max_value))
     expression = _render(tree, symbols=True)
-    spoken = _render(_commuted(tree), symbols=False)
-    text = [f"Compute {expression}.", f"Evaluate {expression}.", f"Calculate {expression}."][int(rng.integers(3))]
-    rephrased = [f"What is {spoken}?", f"Find the value of {spoken}.", f"Work out {spoken}."][int(rng.integers(3))]
+    verb, other = int(rng.integers(3)), int(rng.integers(3))  # both drawn in either rephrasing: same problems
+    text = f"{VERBS[verb]} {expression}."
+    if rephrasing == "symbols":
+        rephrased = f"{VERBS[(verb + 1 + other % 2) % 3]} {_render(_commuted(tree), symbols=True)}."
+    else:
+        spoken = _render(_commuted(tree), symbols=False)
+        rephrased = [f"What is {spoken}?", f"Find the value of {spoken}.", f"Work out {spoken}."][other]
     return Item(kind="expression", text=text, rephrased=rephrased, steps=tuple(_steps(tree)),
                 canonical=f"expression:{_canonical(tree)}", expression=expression)
 

@@ -191,6 +191,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
 VARIANTS = ("", "tiny", "demo")
 
 
+def variant_sources(variant: str, **settings) -> tuple[str, str]:
+    """(train, eval) sources of a local variant: the arithmetic world (the demo's, for "demo") with extra
+    `arithmetic.generate` settings, e.g. rephrasing="symbols"."""
+    world = {**(arithmetic.DEMO_WORLD if variant == "demo" else {}), **settings}
+    return arithmetic_source("rl", world), arithmetic_source("test", world)
+
+
 def apply_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
     """Shrink a paper-scale config to a local run, the same way for every experiment file.
 
@@ -205,9 +212,7 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collect
         agent.model_path = f"{variant}:{agent.family}"
         agent.param_dtype = "float32"
         agent.compute_dtype = "float32"
-    world = arithmetic.DEMO_WORLD if variant == "demo" else None
-    config.data.train_path = arithmetic_source("rl", world)
-    config.data.eval_path = arithmetic_source("test", world)
+    config.data.train_path, config.data.eval_path = variant_sources(variant)
     config.mesh.data = 1
     config.grpo.remat = "none"  # tiny models: memory is no concern, and recomputing the forward costs CPU time
     if variant == "tiny":

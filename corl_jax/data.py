@@ -69,7 +69,8 @@ def _arithmetic_problems(spec: str) -> list[Problem]:
 
     source, _, query = spec.partition("?")
     split = source.partition(":")[2] or "rl"
-    types = {"levels": lambda v: tuple(int(x) for x in v.split(",")), "word_fraction": float, "max_value": int}
+    types = {"levels": lambda v: tuple(int(x) for x in v.split(",")), "word_fraction": float, "max_value": int,
+             "rephrasing": str}
     fix = (f"Fix: use 'arithmetic[:split][?setting=value&...]' with a split of {arithmetic.SPLITS} and settings "
            f"{sorted(types)}, e.g. 'arithmetic:test?levels=2,3&max_value=60'")
     try:

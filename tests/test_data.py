@@ -279,6 +279,23 @@ def test_arithmetic_answers_are_correct(world):
     assert {item.level for item in world["rl"]} == set(arithmetic.LEVELS)
 
 
+def test_symbolic_rephrasing_commutes_the_same_problems_under_another_verb():
+    """rephrasing="symbols" (Different family+ on bases that never saw words) leaves the problems and their text
+    unchanged and restates each expression with + and * operands swapped: the same value, only symbols."""
+    words = arithmetic.generate_items("rl", 200, seed=2, levels=(2, 3), word_fraction=0, max_value=60)
+    symbols = arithmetic.generate_items("rl", 200, seed=2, levels=(2, 3), word_fraction=0, max_value=60,
+                                        rephrasing="symbols")
+    assert [(i.text, i.answer, i.canonical) for i in words] == [(i.text, i.answer, i.canonical) for i in symbols]
+    for item in symbols:
+        verb, _, expression = item.rephrased.rstrip(".").partition(" ")
+        assert verb in arithmetic.VERBS and not item.text.startswith(verb)
+        assert evaluate(expression) == item.answer
+        assert sorted(re.findall(r"\d+", expression)) == sorted(re.findall(r"\d+", item.expression))
+    assert sum(i.rephrased.partition(" ")[2] != i.text.partition(" ")[2] for i in symbols) > 150  # mostly reordered
+    with pytest.raises(ValueError, match="unknown rephrasing 'spoken'"):
+        arithmetic.generate_items("rl", 2, rephrasing="spoken")
+
+
 def test_arithmetic_solutions_check_out(world):
     for item in world["sft"][:100]:
         *lines, last = item.solution.split("\n")
@@ -318,8 +335,13 @@ def test_arithmetic_rows_through_the_file_loader(tmp_path):
     assert [p.text for p in easy] == [i.text for i in items]
     assert {i.level for i in items} == {2, 3} and {i.kind for i in items} == {"expression"}
     assert max(max(s.left, s.right, s.value) for i in items for s in i.steps) <= 30
+    restated = load_problems(arithmetic_source("test", dict(levels=(2, 3), word_fraction=0, max_value=30,
+                                                            rephrasing="symbols")))
+    assert [p.text for p in restated] == [p.text for p in easy]
+    assert "minus" not in " ".join(p.rephrased for p in restated)
     for bad, problem in [("arithmetic:tset", "unknown arithmetic split"), ("arithmetic:rl?levels=1,2", "subset of"),
                          ("arithmetic:rl?levels=two", "invalid literal"), ("arithmetic?level=2", "unknown setting"),
-                         ("arithmetic?max_value=5", r"max_value=5 must lie"), ("arithmetic?levels", "bad query")]:
+                         ("arithmetic?max_value=5", r"max_value=5 must lie"), ("arithmetic?levels", "bad query"),
+                         ("arithmetic?rephrasing=spoken", "unknown rephrasing")]:
         with pytest.raises(DataError, match=f"{problem}.*Fix: use 'arithmetic"):
             load_problems(bad)
