@@ -39,7 +39,10 @@ CONDITIONS = {
     "pair_qwen2_qwen3": ("pair_different_family", ["--config.agents.llama32.model_path={variant}:qwen3"]),
     "pair_llama_qwen3": ("pair_different_family", ["--config.agents.qwen25.model_path={variant}:llama",
                                                    "--config.agents.llama32.model_path={variant}:qwen3"]),
-    "different_family_plus": ("different_family_plus", []),
+    "different_family_plus": ("different_family_plus", []),  # the rephrasings in symbols (operands commuted)
+    # ... with the spoken rephrasings ("minus", "times"), which the bases never saw
+    "different_family_plus_spoken": ("different_family_plus", ["--config.data.train_path={spoken_train}",
+                                                               "--config.data.eval_path={spoken_eval}"]),
     # the ring with a larger step for the Llama-style agent only (it does not gain at the shared 3e-5)
     "ring3_llama_lr1e-4": ("ring3", ["--config.agents.llama32.learning_rate=1e-4"]),
     "ring3_llama_lr3e-4": ("ring3", ["--config.agents.llama32.learning_rate=3e-4"]),
@@ -70,11 +73,15 @@ def measure_bases(num_test: int) -> dict:
 
 def run_one(condition: str, seed: int, args, env) -> dict:
     """One training run in a subprocess; its summary and per-step curves."""
+    from corl_jax.config import variant_sources
+
     config_file, overrides = CONDITIONS[condition]
+    spoken = variant_sources(args.variant, rephrasing="words")
     workdir = Path(args.workdirs) / f"{condition}-s{seed}"
     command = [sys.executable, "-m", "corl_jax.train", f"--config={REPO}/configs/{config_file}.py:{args.variant}",
                f"--workdir={workdir}", f"--config.seed={seed}", f"--config.data_seed={seed}",
-               *(o.format(variant=args.variant) for o in overrides), *args.override]
+               *(o.format(variant=args.variant, spoken_train=spoken[0], spoken_eval=spoken[1]) for o in overrides),
+               *args.override]
     start = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
     result = dict(condition=condition, seed=seed, seconds=round(time.time() - start, 1), command=" ".join(command[1:]))
