@@ -5,7 +5,7 @@ Sources, named by one string (`config.data.train_path` / `eval_path`):
   * `hf:<name>[:split]`: a Hugging Face dataset (needs `datasets` and, for a hub name, the hub);
   * `tfds:<name>[:split]`: a prepared TFDS builder, read through `tfds.data_source` (array_record builders);
   * `arithmetic[:split][?setting=value&...]`: the synthetic arithmetic world (`corl_jax.arithmetic`; split `rl` by
-    default; settings `levels` (comma-separated), `word_fraction`, `max_value`, e.g.
+    default; settings `levels` (comma-separated), `word_fraction`, `max_value`, `rephrasing` (words|symbols), e.g.
     `arithmetic:test?levels=2,3&max_value=60`).
 
 Rows become `Problem`s: the problem text, the gold answer (never used by a label-free reward) and, where the row has
