@@ -63,6 +63,17 @@ def roofline(n_params, config, batch, prompt_len, new_tokens):
     return batch / (step_bytes / HBM_BYTES_PER_S)
 
 
+def throughput(times, batch, prompt_len, new_tokens, n_params, config) -> dict:
+    """Row fields of the fastest of `times` (seconds per generation of `new_tokens` tokens for `batch` rows):
+    seconds, tokens/s, ms per decode step and the fraction of the HBM roofline."""
+    seconds = min(times)
+    tps = batch * new_tokens / seconds
+    roof = roofline(n_params, config, batch, prompt_len, new_tokens)
+    return dict(seconds=round(seconds, 3), all_seconds=[round(t, 3) for t in times], tokens_per_s=round(tps),
+                ms_per_step=round(1e3 * seconds / new_tokens, 3), roofline_tokens_per_s=round(roof),
+                frac_of_roofline=round(tps / roof, 4))
+
+
 # ------------------------------------------------------------------------------------------ ours
 
 def bench_ours(args, on_row=lambda rows: None):
@@ -139,18 +150,13 @@ def measure(args, name, model, config, n_params, ids, mask, params, new_tokens, 
         out = run(new_tokens, rep + 1)
         times.append(time.perf_counter() - start)
     assert out.tokens.shape == (args.prompts * args.samples, new_tokens) and bool(out.mask.all())
-    seconds = min(times)
     batch = args.prompts * args.samples
-    tps = batch * new_tokens / seconds
-    roof = roofline(n_params, config, batch, args.prompt_len, new_tokens)
     stats = jax.devices()[0].memory_stats() or {}
     memory = next(iter(sampler.programs.values())).memory_analysis()
     row = dict(impl="corl_jax", model=name, batch=batch, prompt=args.prompt_len, new=new_tokens,
                variant=variant, params=n_params, compile_s=round(compile_s, 1),
-               seconds=round(seconds, 3), all_seconds=[round(t, 3) for t in times],
                first_call_minus_compile_s=round(first - compile_s, 3),
-               tokens_per_s=round(tps), ms_per_step=round(1e3 * seconds / new_tokens, 3),
-               roofline_tokens_per_s=round(roof), frac_of_roofline=round(tps / roof, 4),
+               **throughput(times, batch, args.prompt_len, new_tokens, n_params, config),
                peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
                program_gib=round((memory.argument_size_in_bytes + memory.output_size_in_bytes
                                   + memory.temp_size_in_bytes) / 2**30, 2))
@@ -270,12 +276,10 @@ def bench_hf(args):
                 out = model.generate(ids, attention_mask=mask, **kw)
                 sync()
                 seconds = time.perf_counter() - start
-            tps = (out.shape[1] - args.prompt_len) * batch / seconds
-            ours_config = _our_config(name)
-            roof = roofline(n_params, ours_config, batch, args.prompt_len, new_tokens)
+            assert out.shape[1] == args.prompt_len + new_tokens, "generate stopped before the forced length"
             row = dict(impl="transformers.generate", model=name, batch=batch, prompt=args.prompt_len, new=new_tokens,
-                       params=n_params, seconds=round(seconds, 2), tokens_per_s=round(tps),
-                       roofline_tokens_per_s=round(roof), frac_of_roofline=round(tps / roof, 4))
+                       params=n_params,
+                       **throughput([seconds], batch, args.prompt_len, new_tokens, n_params, _our_config(name)))
             print(row, flush=True)
             rows.append(row)
         del model

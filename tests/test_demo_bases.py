@@ -52,7 +52,7 @@ def test_checkpoint_loads_in_transformers_with_our_logits(cache, family):
     assert np.abs(ours - theirs)[mask].max() <= 1e-4
 
 
-def test_families_differ_in_tokenizer_architecture_and_size(cache):
+def test_families_differ_in_tokenizer_architecture_and_parameter_count(cache):
     policies = {f: models.from_pretrained(d, dtype=jnp.float32) for f, d in cache.items()}
     text = arithmetic.generate("test", 1)[0].text
     prompts = {f: p.tokenizer(chat_prompt(p.tokenizer, text), add_special_tokens=False)["input_ids"]

@@ -31,84 +31,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: sh
 from shapes import SHAPES  # noqa: E402
 
 
-# ------------------------------------------------------------------------------------------ import shims
+# ------------------------------------------------------------------------------------------ import
 
-def _install_shims():
-    """Compatibility shims put into sys.modules before tunix is imported; no tunix file is changed.
-
-    1. `tunix`: a bare package object standing in for tunix/__init__.py, which imports every trainer and RL learner
-       (optax, orbax, grain, qwix, metrax, ...). Its submodules (tunix.generate.sampler, tunix.models.*) are found
-       through the real package folder, unchanged.
-    2. `jax.experimental.shard_map` (removed from newer JAX): maps to jax.shard_map. tunix uses it only inside its
-       TPU splash-attention path (use_flash_attention=True), which this benchmark never takes.
-    3. `jax.experimental.pallas.ops.tpu.{splash_attention,megablox}`: empty stand-ins if this JAX lacks them (TPU
-       kernels imported at module level by tunix's qwen2/qwen3 models; used only with flash attention or MoE).
-    4. `jax.interpreters.pxla.thread_resources` (tunix's `shard()` reads the ambient mesh from it): an empty mesh if
-       this JAX lacks it, so `shard()` is the identity, as it is with no mesh set.
-    Returns the shims that were needed.
-    """
-    import jax
-    import numpy as np
-
-    used = []
+def _install_tunix_package():
+    """Put a bare `tunix` package into sys.modules before tunix is imported, standing in for tunix/__init__.py,
+    which imports every trainer and RL learner (optax, orbax, grain, qwix, metrax, ...). The submodules used here
+    (tunix.generate.sampler, tunix.models.*) load from the real package folder, unchanged."""
     spec = importlib.util.find_spec("tunix")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("tunix is not importable: put the google-tunix wheel's folder on PYTHONPATH")
-    if "tunix" not in sys.modules:
-        package = types.ModuleType("tunix")
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__file__ = spec.origin
-        try:
-            package.__version__ = importlib.metadata.version("google-tunix")
-        except importlib.metadata.PackageNotFoundError:
-            package.__version__ = "unknown"
-        sys.modules["tunix"] = package
-        used.append("tunix package without its __init__ (trainer imports)")
-
-    def stub(name, **attrs):
-        try:
-            importlib.import_module(name)
-            return
-        except ImportError:
-            pass
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):  # create missing parents too
-            sub = ".".join(parts[:i])
-            if sub in sys.modules:
-                continue
-            try:
-                importlib.import_module(sub)
-            except ImportError:
-                module = types.ModuleType(sub)
-                module.__path__ = []
-                sys.modules[sub] = module
-                if i > 1:
-                    setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], module)
-        for key, value in attrs.items():
-            setattr(sys.modules[name], key, value)
-        used.append(f"{name} (stand-in)")
-
-    def shard_map(f=None, *, mesh=None, in_specs=None, out_specs=None, check_rep=True, **kw):
-        bind = lambda g: jax.shard_map(g, mesh=mesh, in_specs=in_specs, out_specs=out_specs,  # noqa: E731
-                                       check_vma=check_rep, **kw)
-        return bind if f is None else bind(f)
-
-    stub("jax.experimental.shard_map", shard_map=shard_map)
-    for name in ("jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel",
-                 "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask",
-                 "jax.experimental.pallas.ops.tpu.megablox"):
-        stub(name)
-    import warnings
-
-    from jax.interpreters import pxla
-    with warnings.catch_warnings():  # deprecated since JAX 0.8.2, still there in 0.11.2
-        warnings.simplefilter("ignore", DeprecationWarning)
-        missing = not hasattr(pxla, "thread_resources")
-    if missing:
-        empty = jax.sharding.Mesh(np.empty((), dtype=object), ())
-        pxla.thread_resources = types.SimpleNamespace(env=types.SimpleNamespace(physical_mesh=empty))
-        used.append("jax.interpreters.pxla.thread_resources (empty mesh)")
-    return used
+    package = types.ModuleType("tunix")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__file__ = spec.origin
+    package.__version__ = importlib.metadata.version("google-tunix")
+    sys.modules.setdefault("tunix", package)
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -201,7 +137,7 @@ def measure(args, name, clock):
     import jax
     import numpy as np
 
-    from bench_sampling import roofline
+    from bench_sampling import throughput
     from tunix.generate.sampler import CacheConfig, Sampler
 
     model, config, n_params, dtypes = build_model(name)
@@ -222,12 +158,7 @@ def measure(args, name, clock):
                                    temperature=1.0, top_p=1.0, top_k=None, seed=seed)
         compile_before = clock.total()
         start = time.perf_counter()
-        try:
-            out = run(0)  # compiles prefill and decode
-        except Exception as e:  # keep measuring the other shapes
-            print(f"FAILED {name} {new_tokens}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-            rows.append(dict(impl="tunix.Sampler", model=name, new=new_tokens, error=f"{type(e).__name__}: {str(e)[:500]}"))
-            continue
+        out = run(0)  # compiles prefill and decode
         first = time.perf_counter() - start
         compile_s = clock.total() - compile_before
         times = []
@@ -242,18 +173,13 @@ def measure(args, name, clock):
         # the token buffer starts as pad ids (0): a row not really sampled would stay 0
         pad_fraction = float((generated == 0).mean())
         assert pad_fraction < 0.01, f"{pad_fraction:.3f} of the generated tokens are the pad id"
-        seconds = min(times)
-        tps = batch * new_tokens / seconds
-        roof = roofline(n_params, config, batch, args.prompt_len, new_tokens)
         stats = jax.devices()[0].memory_stats() or {}
         row = dict(impl="tunix.Sampler", model=name, batch=batch, prompt=args.prompt_len, new=new_tokens,
                    params=n_params, param_dtypes=dtypes, cache_dtype=np.dtype(sampler.dtype).name,
                    repeat_compile_s=round(clock.total() - compile_before - compile_s, 2),
                    compile_s=round(compile_s, 1), first_call_s=round(first, 2),
                    first_call_minus_compile_s=round(first - compile_s, 3),
-                   seconds=round(seconds, 3), all_seconds=[round(t, 3) for t in times],
-                   tokens_per_s=round(tps), ms_per_step=round(1e3 * seconds / new_tokens, 3),
-                   roofline_tokens_per_s=round(roof), frac_of_roofline=round(tps / roof, 4),
+                   **throughput(times, batch, args.prompt_len, new_tokens, n_params, config),
                    output_lengths=[min(lengths), max(lengths)], distinct_tokens=int(np.unique(generated).size),
                    peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2))
         print(row, flush=True)
@@ -284,7 +210,7 @@ TUNIX_PACKAGES = ("jax", "jaxlib", "flax", "google-tunix")
 def main():
     args = parse_args()
     started = time.perf_counter()
-    shims = _install_shims()
+    _install_tunix_package()
     import jax
     from bench_sampling import device_name, versions
 
@@ -305,7 +231,7 @@ def main():
                                    tunix_tokens_per_s=row["tokens_per_s"],
                                    corl_jax_over_tunix=round(match[-1]["tokens_per_s"] / row["tokens_per_s"], 2)))
         result = dict(command=" ".join([Path(sys.executable).name, *sys.argv]), device=device_name(),
-                      backend=jax.default_backend(), versions=versions(TUNIX_PACKAGES), shims=shims,
+                      backend=jax.default_backend(), versions=versions(TUNIX_PACKAGES),
                       settings=dict(prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len,
                                     repeats=args.repeats, temperature=1.0, top_p=1.0, top_k=None,
                                     stop_ids="one past the vocabulary (forced length)",
@@ -317,7 +243,7 @@ def main():
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
 
-    print(f"backend {jax.default_backend()}, versions {versions(TUNIX_PACKAGES)}, shims {shims}", flush=True)
+    print(f"backend {jax.default_backend()}, versions {versions(TUNIX_PACKAGES)}", flush=True)
     longest = 0.0  # seconds of the slowest model so far: the guess for the next one
     for name in args.models:
         elapsed = time.perf_counter() - started
