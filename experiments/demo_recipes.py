@@ -42,6 +42,10 @@ ARCH = {
                   num_key_value_heads=2, head_dim=20),
     "d48L4": dict(hidden_size=48, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=12),
+    "d64L3": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
+    "d56L4": dict(hidden_size=56, intermediate_size=168, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=14),
 }
 BPE_1 = dict(tokenizer="bpe", vocab_size=640, digit_group=1)
 BPE_3 = dict(tokenizer="bpe", vocab_size=1024, digit_group=3)
@@ -81,6 +85,15 @@ def _candidates() -> dict[str, tuple[str, dict]]:
                                 ("llama", 2, 2000), ("llama", 22, 2000), ("qwen3", 3, 1500), ("qwen3", 31, 1500)):
         out[f"cpu4-{family}-seed{seed}-s{steps}"] = (family, dict(architecture=ARCH["d64L4"], steps=steps,
                                                                   learning_rate=3e-3, seed=seed))
+    # Fifth grid: a size per family (Qwen2 > Llama > Qwen3, as in the paper's ring) and a third tokenizer (a
+    # 300-token BPE with single digits for Qwen3: fewer merges than Qwen2's saturated 369), cheaper to build.
+    fifth = [("qwen3", "d48L4", dict(vocab_size=300), seed) for seed in (3, 31, 32, 33, 34, 35)]
+    fifth += [("qwen3", "d48L4", {}, 3)]  # the size change alone
+    fifth += [("llama", "d64L3", {}, seed) for seed in (21, 2, 22, 23)]
+    fifth += [("llama", "d56L4", {}, seed) for seed in (21, 22, 23)]
+    for family, arch, tok, seed in fifth:
+        out[f"cpu5-{family}-{arch}-v{tok.get('vocab_size', 'std')}-seed{seed}"] = (family, dict(
+            architecture=ARCH[arch], steps=1500, learning_rate=3e-3, seed=seed, **tok))
     return out
 
 
