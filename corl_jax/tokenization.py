@@ -184,7 +184,8 @@ def build_tokenizer(directory: str | os.PathLike, kind: Literal["char", "bpe"], 
     ``kind="bpe"``: byte-level BPE trained on ``corpus`` up to ``vocab_size`` tokens.
     Numbers are pre-split into groups of at most ``digit_group`` digits: 1 splits digits one by one
     (as Qwen's tokenizers do), 3 keeps up to three digits together (as Llama 3's do; BPE may then
-    learn whole numbers). ``style`` picks the special tokens and chat template of a family;
+    learn whole numbers); 0 does not split them, so BPE may learn a number with its leading space as
+    one token (as GPT-2's does). ``style`` picks the special tokens and chat template of a family;
     ``chat_template=False`` leaves the template out.
     """
     spec = _STYLES[style]
@@ -198,11 +199,11 @@ def build_tokenizer(directory: str | os.PathLike, kind: Literal["char", "bpe"], 
         tokenizer = Tokenizer(models.BPE())
     else:
         raise ValueError(f"unknown tokenizer kind {kind!r}; use 'char' or 'bpe'")
-    if digit_group not in (1, 2, 3):
-        raise ValueError(f"digit_group={digit_group}; use 1 (single digits), 2 or 3 (Llama-3-style groups)")
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(rf"\d{{1,{digit_group}}}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    if digit_group not in (0, 1, 2, 3):
+        raise ValueError(f"digit_group={digit_group}; use 1 (single digits), 2 or 3 (Llama-3-style groups) "
+                         "or 0 (numbers not split: GPT-2 style)")
+    digit_split = [pre_tokenizers.Split(Regex(rf"\d{{1,{digit_group}}}"), behavior="isolated")] if digit_group else []
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*digit_split, pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     if kind == "bpe":
         tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(

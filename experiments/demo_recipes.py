@@ -46,6 +46,8 @@ ARCH = {
                   num_key_value_heads=2, head_dim=16),
     "d56L4": dict(hidden_size=56, intermediate_size=168, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=14),
+    "d96L3": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=24),
 }
 BPE_1 = dict(tokenizer="bpe", vocab_size=640, digit_group=1)
 BPE_3 = dict(tokenizer="bpe", vocab_size=1024, digit_group=3)
@@ -94,6 +96,13 @@ def _candidates() -> dict[str, tuple[str, dict]]:
     for family, arch, tok, seed in fifth:
         out[f"cpu5-{family}-{arch}-v{tok.get('vocab_size', 'std')}-seed{seed}"] = (family, dict(
             architecture=ARCH[arch], steps=1500, learning_rate=3e-3, seed=seed, **tok))
+    # Sixth grid (the fifth's smaller bases reached 15-47%): Qwen3 keeps its strength but gets a third tokenizer,
+    # a GPT-2-style BPE that learns numbers with their leading space (digit_group=0: 480 tokens, ~25% shorter
+    # examples), and a shape of its own.
+    for arch, seed in (("d64L4", 3), ("d64L4", 31), ("d64L4", 32), ("d96L3", 3), ("d96L3", 31), ("d96L3", 32),
+                       ("d80L4", 3), ("d80L4", 31)):
+        out[f"cpu6-qwen3-{arch}-gpt2bpe-seed{seed}"] = ("qwen3", dict(
+            architecture=ARCH[arch], steps=1500, learning_rate=3e-3, seed=seed, digit_group=0))
     return out
 
 

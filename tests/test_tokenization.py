@@ -287,7 +287,11 @@ def test_build_tokenizer_round_trips(tmp_path, kind, style):
 
 
 def test_build_tokenizer_digit_groups(tmp_path):
-    """digit_group=3 keeps up to three digits per pre-token (Llama 3), so BPE can learn whole numbers; 1 never can."""
+    """digit_group=3 keeps up to three digits per pre-token (Llama 3), so BPE can learn whole numbers; 1 never can;
+    0 (GPT-2 style) lets BPE learn a number together with its leading space."""
+    tokenizer = tk.build_tokenizer(tmp_path / "0", "bpe", corpus=CORPUS, vocab_size=600, digit_group=0)
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer("12 + 259 = 1234567", add_special_tokens=False)["input_ids"])
+    assert "Ġ259" in pieces and tokenizer.decode(tokenizer("12 + 259")["input_ids"]) == "12 + 259"
     for group in (1, 3):
         tokenizer = tk.build_tokenizer(tmp_path / str(group), "bpe", corpus=CORPUS, vocab_size=600, digit_group=group)
         pieces = tokenizer.convert_ids_to_tokens(tokenizer("12 + 259 = 1234567", add_special_tokens=False)["input_ids"])
