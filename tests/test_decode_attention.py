@@ -40,3 +40,11 @@ def test_rejects_a_cache_that_is_not_whole_blocks():
     cache = jnp.zeros((1, 1, 1, 40, 8))
     with pytest.raises(ValueError, match="multiples of block_k"):
         decode_attention(q, cache, cache, 0, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), block_k=16, split=32)
+
+
+def test_rejects_a_head_dim_triton_cannot_tile():
+    q = jnp.zeros((1, 2, 24))
+    cache = jnp.zeros((1, 1, 1, 32, 24))
+    with pytest.raises(ValueError, match="head_dim 24 is not a power of two.*attention='xla'"):
+        decode_attention(q, cache, cache, 0, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), block_k=16, split=32,
+                         interpret=False)  # the compiled (GPU) kernel; the interpreter takes any head_dim

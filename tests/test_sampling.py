@@ -336,6 +336,17 @@ def test_deterministic_for_a_key_and_compiled_once_per_bucket(checkpoint, caplog
     np.testing.assert_array_equal(np.asarray(raw_key.tokens), np.asarray(a.tokens))  # same seed, legacy key
 
 
+def test_auto_attention_avoids_the_kernel_for_a_head_dim_triton_cannot_tile(checkpoint, monkeypatch):
+    model = models.from_pretrained(checkpoint("qwen3"), dtype=jnp.float32).model  # head_dim 24
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert Sampler(model, stop_ids=[0]).attention == "xla"
+    with pytest.raises(ValueError, match="power-of-two head_dim, this model's is 24"):
+        Sampler(model, stop_ids=[0], attention="pallas")
+    four = models.from_pretrained(checkpoint("llama"), dtype=jnp.float32).model
+    assert four.config.head_dim & (four.config.head_dim - 1) == 0
+    assert Sampler(four, stop_ids=[0]).attention == "pallas"
+
+
 @pytest.mark.parametrize("attention", ["xla", "pallas"])
 def test_sharded_over_eight_devices_equals_single_device(attention, checkpoint):
     """Batch over the data axis, kv heads over tensor; the Pallas kernel runs per shard (shard_map)."""

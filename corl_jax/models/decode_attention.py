@@ -24,6 +24,11 @@ _F32 = jnp.float32
 _MIN_ROWS = 16  # tensor-core tiles need at least 16 query rows
 
 
+def supports_head_dim(head_dim: int) -> bool:
+    """Triton tiles only power-of-two sizes: the kernel reads whole [slots, head_dim] cache rows in place."""
+    return head_dim > 0 and head_dim & (head_dim - 1) == 0
+
+
 def decode_attention(q, k_cache, v_cache, layer: int, start, end, *, block_k: int = 64, split: int = 256,
                      num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None):
     """Attention of one token per row over cache slots [start, end).
@@ -37,11 +42,14 @@ def decode_attention(q, k_cache, v_cache, layer: int, start, end, *, block_k: in
     K, S = k_cache.shape[2], k_cache.shape[3]
     if S % block_k or split % block_k:
         raise ValueError(f"cache length {S} and split {split} must be multiples of block_k={block_k}")
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    if not interpret and not supports_head_dim(hd):
+        raise ValueError(f"head_dim {hd} is not a power of two, which the Triton kernel cannot tile; "
+                         "use the XLA decode attention (Sampler(attention='xla'))")
     g = H // K
     rows = max(_MIN_ROWS, pl.next_power_of_2(g))
     splits = pl.cdiv(S, split)
     grouped = jnp.pad(q.reshape(B, K, g, hd), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     kernel = functools.partial(_kernel, block_k=block_k, split=split, scale=hd ** -0.5)
     cache_block = pl.BlockSpec((None, None, None, S, hd), lambda b, h, j: (layer, b, h, 0, 0))
     scalar = pl.BlockSpec((None,), lambda b, h, j: (b,))

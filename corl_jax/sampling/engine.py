@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from corl_jax.models.decode_attention import decode_attention
+from corl_jax.models.decode_attention import decode_attention, supports_head_dim
 from corl_jax.models.decoder import Decoder, KVCache, positions_from_mask
 from corl_jax.models.sharding import DEFAULT_RULES, batch_sharding, cache_shardings, logical_to_spec
 from corl_jax.sampling.controls import SamplingParams, sample_tokens
@@ -120,7 +120,8 @@ class Sampler:
       compiler_options: XLA options for the sampler's programs only; None: `GPU_COMPILER_OPTIONS` on GPUs,
         XLA's defaults elsewhere ({} keeps XLA's defaults everywhere).
       attention: decode attention over the cache: "pallas" (the `decode_attention` kernel), "xla" (attention
-        segments of `buckets.kv_block` steps) or "auto" (pallas on GPUs, xla elsewhere; see the module docstring).
+        segments of `buckets.kv_block` steps) or "auto" (pallas on GPUs when the model's head_dim is a power of
+        two, xla otherwise; see the module docstring).
     """
 
     def __init__(self, model: Decoder, *, stop_ids: Sequence[int], pad_id: int = 0, mesh: Mesh | None = None,
@@ -142,7 +143,11 @@ class Sampler:
         self.compiler_options = dict(compiler_options)
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"unknown decode attention {attention!r}; use one of {ATTENTION_IMPLS}")
-        self.attention = ("pallas" if jax.default_backend() == "gpu" else "xla") if attention == "auto" else attention
+        gpu, kernel_fits = jax.default_backend() == "gpu", supports_head_dim(model.config.head_dim)
+        if attention == "pallas" and gpu and not kernel_fits:
+            raise ValueError(f"attention='pallas': the GPU kernel needs a power-of-two head_dim, this model's is "
+                             f"{model.config.head_dim}; use attention='xla' (or 'auto')")
+        self.attention = ("pallas" if gpu and kernel_fits else "xla") if attention == "auto" else attention
         self.programs: dict[Any, Any] = {}  # (graphdef, key type, bucket) -> compiled program
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
