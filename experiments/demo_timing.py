@@ -76,7 +76,7 @@ def main() -> None:
                                        final_sft_loss=round(record["sft_losses"][-1], 4))
     summary = json.loads(Path(workdir, "summary.json").read_text())
     result = dict(
-        date=time.strftime("%Y-%m-%d %H:%M"), command="CORL_JAX_CACHE=<empty dir> " + " ".join(pin + command[1:]),
+        date=time.strftime("%Y-%m-%d %H:%M"), command="CORL_JAX_CACHE=<empty dir> " + " ".join(pin + ["python", *command[1:]]),
         note=args.note, machine=dict(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)), pinned=args.cores,
                                      python=platform.python_version()),
         wall_seconds=round(wall, 1), base_build_seconds=round(sum(b["build_seconds"] for b in bases.values()), 1),
