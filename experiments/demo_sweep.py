@@ -43,6 +43,9 @@ CONDITIONS = {
     # ... with the spoken rephrasings ("minus", "times"), which the bases never saw
     "different_family_plus_spoken": ("different_family_plus", ["--config.data.train_path={spoken_train}",
                                                                "--config.data.eval_path={spoken_eval}"]),
+    # the ring with a larger step for the Llama-style agent only (it does not gain at the shared 3e-5)
+    "ring3_llama_lr1e-4": ("ring3", ["--config.agents.llama32.learning_rate=1e-4"]),
+    "ring3_llama_lr3e-4": ("ring3", ["--config.agents.llama32.learning_rate=3e-4"]),
 }
 T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
@@ -173,19 +176,16 @@ def main() -> None:
     parser.add_argument("--workdirs", default=tempfile.mkdtemp(prefix="demo_sweep_"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plots of <out>/sweep.json")
     parser.add_argument("--merge", nargs="+", default=[],
-                        help="sweep.json files (e.g. seeds run on different machines) whose runs make <out>/sweep.json; "
-                             "a (condition, seed) run in a later file replaces one in an earlier file")
+                        help="sweep.json files (e.g. seeds run on different machines) whose runs make <out>/sweep.json")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         parts = [json.loads(Path(f).read_text()) for f in args.merge]
-        latest = {(r["condition"], r["seed"]): dict(r, device=p.get("device"), sweep=f)  # later files win
-                  for f, p in zip(args.merge, parts) for r in p["runs"] if r["condition"] in CONDITIONS}
-        runs = list(latest.values())
+        runs = [dict(r, device=p.get("device"), sweep=f) for f, p in zip(args.merge, parts) for r in p["runs"]]
         payload = dict(command=" ".join(sys.argv), merged=[dict(file=f, command=p["command"], device=p.get("device"),
                                                                 note=p.get("note", "")) for f, p in zip(args.merge, parts)],
-                       bases=[p["bases"] for p in parts if p.get("bases")][-1], runs=runs, summary=aggregate(runs))
+                       bases=parts[0].get("bases"), runs=runs, summary=aggregate(runs))
         payload["plots"] = plot(payload, out)
         (out / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")
         print(json.dumps(payload["summary"], indent=1))
