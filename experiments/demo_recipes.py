@@ -27,27 +27,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from corl_jax import arithmetic  # noqa: E402
 
+def _arch(hidden, intermediate, layers, kv_heads=2, head_dim=None) -> dict:
+    """HF config fields of a 4-head candidate shape (head_dim None: hidden / heads)."""
+    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=kv_heads, **({} if head_dim is None else dict(head_dim=head_dim)))
+
+
 ARCH = {
-    "q2_d96L3": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2),
-    "d64L2": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
-    "ll_d128L2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=1),
-    "q3_d80L4": dict(hidden_size=80, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=32),
-    "d64L4": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16),
-    "d80L4": dict(hidden_size=80, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=20),
-    "d48L4": dict(hidden_size=48, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=12),
-    "d64L3": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16),
-    "d56L4": dict(hidden_size=56, intermediate_size=168, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=14),
-    "d96L3": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=24),
+    "q2_d96L3": _arch(96, 256, 3), "d64L2": _arch(64, 192, 2), "ll_d128L2": _arch(128, 256, 2, kv_heads=1),
+    "q3_d80L4": _arch(80, 192, 4, head_dim=32), "d64L4": _arch(64, 192, 4, head_dim=16),
+    "d80L4": _arch(80, 192, 4, head_dim=20), "d48L4": _arch(48, 160, 4, head_dim=12),
+    "d64L3": _arch(64, 192, 3, head_dim=16), "d56L4": _arch(56, 168, 4, head_dim=14),
+    "d96L3": _arch(96, 256, 3, head_dim=24),
 }
 BPE_1 = dict(tokenizer="bpe", vocab_size=640, digit_group=1)
 BPE_3 = dict(tokenizer="bpe", vocab_size=1024, digit_group=3)

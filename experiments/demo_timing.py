@@ -4,7 +4,7 @@
 
 Runs `python -m corl_jax.train --config=configs/ring3.py:demo` with `CORL_JAX_CACHE` pointing at a new empty
 directory (so the three bases are built first, as on a fresh machine), optionally pinned to `--cores` (taskset).
-Samples /proc/stat once a second: on a shared virtual machine the hypervisor's steal time inflates the wall clock,
+Reads /proc/stat before and after: on a shared virtual machine the hypervisor's steal time inflates the wall clock,
 so the JSON records the steal share next to the wall time, each base's build seconds (its `demo_base.json`), the
 CPU seconds the run used, and every agent's accuracy before and after. Results are appended to `--out`.
 """
@@ -19,7 +19,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -50,21 +49,11 @@ def main() -> None:
     command = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:demo", f"--workdir={workdir}",
                *args.overrides]
     pin = ["taskset", "-c", args.cores] if args.cores else []
-    samples, done = [], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            samples.append((time.time(), cpu_jiffies()))
-            done.wait(1.0)
-
-    threading.Thread(target=sample, daemon=True).start()
-    start = time.time()
+    first, start = cpu_jiffies(), time.time()
     proc = subprocess.run([*pin, *command], env=dict(os.environ, CORL_JAX_CACHE=cache), cwd=REPO)
-    wall = time.time() - start
-    done.set()
+    wall, last = time.time() - start, cpu_jiffies()
     if proc.returncode:
         raise SystemExit(f"the demo run failed (exit {proc.returncode}); workdir {workdir}")
-    first, last = samples[0][1], cpu_jiffies()
     delta = {k: last[k] - first[k] for k in first}
     total = sum(delta.values()) or 1
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -340,8 +340,10 @@ def test_auto_attention_avoids_the_kernel_for_a_head_dim_triton_cannot_tile(chec
     model = models.from_pretrained(checkpoint("qwen3"), dtype=jnp.float32).model  # head_dim 24
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert Sampler(model, stop_ids=[0]).attention == "xla"
-    with pytest.raises(ValueError, match="power-of-two head_dim, this model's is 24"):
-        Sampler(model, stop_ids=[0], attention="pallas")
+    ids, mask = mixed_length_prompts([3], 4, seed=0)
+    with pytest.raises(ValueError, match="head_dim 24 is not a power of two.*attention='xla'"):
+        Sampler(model, stop_ids=[0], attention="pallas", compiler_options={}).generate(
+            ids, mask, num_samples=1, max_new_tokens=2, params=SamplingParams(), key=jax.random.key(0))
     four = models.from_pretrained(checkpoint("llama"), dtype=jnp.float32).model
     assert four.config.head_dim & (four.config.head_dim - 1) == 0
     assert Sampler(four, stop_ids=[0]).attention == "pallas"

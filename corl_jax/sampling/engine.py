@@ -143,11 +143,10 @@ class Sampler:
         self.compiler_options = dict(compiler_options)
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"unknown decode attention {attention!r}; use one of {ATTENTION_IMPLS}")
-        gpu, kernel_fits = jax.default_backend() == "gpu", supports_head_dim(model.config.head_dim)
-        if attention == "pallas" and gpu and not kernel_fits:
-            raise ValueError(f"attention='pallas': the GPU kernel needs a power-of-two head_dim, this model's is "
-                             f"{model.config.head_dim}; use attention='xla' (or 'auto')")
-        self.attention = ("pallas" if gpu and kernel_fits else "xla") if attention == "auto" else attention
+        if attention == "auto":  # (an explicit "pallas" with a head_dim Triton cannot tile fails in `decode_attention`)
+            gpu = jax.default_backend() == "gpu"
+            attention = "pallas" if gpu and supports_head_dim(model.config.head_dim) else "xla"
+        self.attention = attention
         self.programs: dict[Any, Any] = {}  # (graphdef, key type, bucket) -> compiled program
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
