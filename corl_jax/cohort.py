@@ -34,7 +34,7 @@ from corl_jax.optim import make_optimizer, make_schedule
 from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Completions, Sampler
 from corl_jax.tokenization import decode_completions, encode_prompts, stop_token_ids
-from corl_jax.zoo import resolve_model_path
+from corl_jax.zoo import resolve_model_paths
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -92,8 +92,8 @@ def load_agents(config: ml_collections.ConfigDict, total_steps: int) -> list[Age
     """Load every agent of `config` onto its devices (whole mesh or its own slice), with a fresh optimiser."""
     meshes = _meshes(config, len(config.agents))
     agents = []
-    for index, (name, spec) in enumerate(config.agents.items()):
-        path = resolve_model_path(spec.model_path)
+    paths = resolve_model_paths([spec.model_path for spec in config.agents.values()])
+    for index, ((name, spec), path) in enumerate(zip(config.agents.items(), paths)):
         policy = from_pretrained(path, dtype=_DTYPES[spec.param_dtype], compute_dtype=_DTYPES[spec.compute_dtype],
                                  mesh=meshes[index], remat=config.grpo.remat, attention=config.grpo.attention)
         agents.append(make_agent(config, name, index, policy, stop_token_ids(policy.tokenizer, path), total_steps))

@@ -50,6 +50,16 @@ def resolve_model_path(model_path: str) -> str:
     return model_path
 
 
+def resolve_model_paths(model_paths: list[str]) -> list[str]:
+    """`resolve_model_path` of each; the missing `demo:` bases among them are first built side by side."""
+    demo = [family for kind, _, family in (p.partition(":") for p in model_paths) if kind == "demo" and family in FAMILIES]
+    if demo:  # (an unknown family gets resolve_model_path's error)
+        from corl_jax.demo_bases import build_all
+
+        build_all(demo)
+    return [resolve_model_path(p) for p in model_paths]
+
+
 def _check_family(model_path: str, family: str) -> None:
     if family not in FAMILIES:
         raise ValueError(f"unknown family in model path {model_path!r}; use one of {FAMILIES}")

@@ -57,8 +57,10 @@ def main() -> None:
     delta = {k: last[k] - first[k] for k in first}
     total = sum(delta.values()) or 1
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    records = sorted(Path(cache, "zoo").glob("demo-*/demo_base.json"))
+    bases_wall = max(r.stat().st_mtime for r in records) - start  # bases may be built side by side
     bases = {}
-    for record_file in sorted(Path(cache, "zoo").glob("demo-*/demo_base.json")):
+    for record_file in records:
         record = json.loads(record_file.read_text())
         bases[record["family"]] = dict(build_seconds=record["build_seconds"], steps=record["recipe"]["steps"],
                                        architecture=record["recipe"]["architecture"],
@@ -68,7 +70,10 @@ def main() -> None:
         date=time.strftime("%Y-%m-%d %H:%M"), command="CORL_JAX_CACHE=<empty dir> " + " ".join(pin + ["python", *command[1:]]),
         note=args.note, machine=dict(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)), pinned=args.cores,
                                      python=platform.python_version()),
-        wall_seconds=round(wall, 1), base_build_seconds=round(sum(b["build_seconds"] for b in bases.values()), 1),
+        commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True).stdout.strip(),
+        wall_seconds=round(wall, 1), bases_wall_seconds=round(bases_wall, 1),
+        base_build_seconds=round(sum(b["build_seconds"] for b in bases.values()), 1),
         cpu_seconds=round(usage.ru_utime + usage.ru_stime, 1),
         machine_cpu_share={k: round(v / total, 3) for k, v in delta.items() if v},  # all cores, whole run
         bases=bases,

@@ -117,6 +117,26 @@ def test_build_is_cached_and_atomic(cache, monkeypatch, tmp_path):
         demo_bases.demo_base_dir("gpt2")
 
 
+def test_side_by_side_builds_match_an_in_process_build_bit_for_bit(cache, monkeypatch, tmp_path):
+    """build_all builds missing bases in single-threaded child processes; the same recipe built here, in this
+    multi-threaded process, writes the same weights."""
+    family = "llama"
+    demo_bases.build_demo_base(tmp_path / "here", family)
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path / "cache"))
+    demo_bases._build_in_subprocesses([family], slot=0)
+    child = demo_bases.demo_base_dir(family)
+    assert child.parent == tmp_path / "cache" / "zoo"
+    assert (child / "model.safetensors").read_bytes() == (tmp_path / "here" / "model.safetensors").read_bytes()
+
+
+def test_a_failed_side_by_side_build_names_the_base_and_caches_nothing(cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path))
+    monkeypatch.setitem(demo_bases.RECIPES, "qwen2", dataclasses.replace(demo_bases.RECIPES["qwen2"], tokenizer="?"))
+    with pytest.raises(RuntimeError, match="building the demo:qwen2 base failed .* builds it again"):
+        demo_bases.build_all(["qwen2", "qwen3"], workers=2)
+    assert [p.name for p in (tmp_path / "zoo").iterdir()] == [demo_bases._cache_dir("qwen3").name]  # the other lane's
+
+
 def test_report_measures_each_family_on_the_same_problems(cache, capsys):
     correct = demo_bases.report(FAMILIES, num_test=3)
     assert sorted(correct) == sorted((f, t) for f in FAMILIES for t in (0.6, 0.0))
