@@ -5,13 +5,15 @@
 Runs `python -m corl_jax.train --config=configs/ring3.py:demo` with `CORL_JAX_CACHE` pointing at a new empty
 directory (so the three bases are built first, as on a fresh machine), optionally pinned to `--cores` (taskset).
 Reads /proc/stat before and after: on a shared virtual machine the hypervisor's steal time inflates the wall clock,
-so the JSON records the steal share next to the wall time, each base's build seconds (its `demo_base.json`), the
-CPU seconds the run used, and every agent's accuracy before and after. Results are appended to `--out`.
+so the JSON records the steal share next to the wall time, the bases' wall time and each one's build seconds (its
+`demo_base.json`) and weights hash (bases built on different CPUs may differ in their last bits), the CPU seconds the
+run used, and every agent's accuracy before and after. Results are appended to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -64,7 +66,9 @@ def main() -> None:
         record = json.loads(record_file.read_text())
         bases[record["family"]] = dict(build_seconds=record["build_seconds"], steps=record["recipe"]["steps"],
                                        architecture=record["recipe"]["architecture"],
-                                       final_sft_loss=round(record["sft_losses"][-1], 4))
+                                       final_sft_loss=round(record["sft_losses"][-1], 4),
+                                       weights_sha256=hashlib.sha256(
+                                           (record_file.parent / "model.safetensors").read_bytes()).hexdigest()[:16])
     summary = json.loads(Path(workdir, "summary.json").read_text())
     result = dict(
         date=time.strftime("%Y-%m-%d %H:%M"), command="CORL_JAX_CACHE=<empty dir> " + " ".join(pin + ["python", *command[1:]]),
