@@ -107,11 +107,12 @@ def _cache_dir(family: str) -> Path:
 def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None) -> dict[str, Path]:
     """Build (or find cached) the bases of `families`; returns family -> directory.
 
-    Missing bases are built side by side, one single-threaded process each, `workers` (default: one per core) at once:
-    on this project's 2-core VM two such processes build ~1.25x faster than one multi-threaded process, and the
-    weights are bit-identical (tests/test_demo_bases.py)."""
+    Missing bases are built side by side, one single-threaded process each, `workers` at once (default: one per
+    core this process may use): on this project's 2-core VM two such processes build ~1.25x faster than one
+    multi-threaded process, and the weights are bit-identical (tests/test_demo_bases.py)."""
     missing = [f for f in dict.fromkeys(families) if not (_cache_dir(f) / "config.json").is_file()]
-    workers = min(len(missing), workers or os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(len(missing), workers or cores)
     if workers > 1:
         cost = {f: RECIPES[f].steps * RECIPES[f].batch_size for f in missing}
         lanes, load = [[] for _ in range(workers)], [0] * workers
