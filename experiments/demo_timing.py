@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -45,9 +46,12 @@ def main() -> None:
     parser.add_argument("--out", default="experiments/results/demo_timing.json")
     parser.add_argument("--cores", help="pin the run to these CPU cores (taskset list, e.g. 0,1)")
     parser.add_argument("--note", default="")
+    parser.add_argument("--cache", help="build the bases into this empty directory (default: a new temporary one)")
     parser.add_argument("overrides", nargs="*", help="extra --config.* flags for the run")
     args = parser.parse_args()
-    cache, workdir = tempfile.mkdtemp(prefix="demo_cache_"), tempfile.mkdtemp(prefix="demo_run_")
+    cache, workdir = args.cache or tempfile.mkdtemp(prefix="demo_cache_"), tempfile.mkdtemp(prefix="demo_run_")
+    if any(Path(cache).glob("*")):
+        raise SystemExit(f"--cache {cache} is not empty: the timing is of a first run, which builds the bases")
     command = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:demo", f"--workdir={workdir}",
                *args.overrides]
     pin = ["taskset", "-c", args.cores] if args.cores else []
@@ -73,7 +77,7 @@ def main() -> None:
     result = dict(
         date=time.strftime("%Y-%m-%d %H:%M"), command="CORL_JAX_CACHE=<empty dir> " + " ".join(pin + ["python", *command[1:]]),
         note=args.note, machine=dict(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)), pinned=args.cores,
-                                     python=platform.python_version()),
+                                     python=platform.python_version(), jax=importlib.metadata.version("jax")),
         commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True).stdout.strip(),
         wall_seconds=round(wall, 1), bases_wall_seconds=round(bases_wall, 1),
