@@ -108,8 +108,9 @@ def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None
     """Build (or find cached) the bases of `families`; returns family -> directory.
 
     Missing bases are built side by side, one single-threaded process each, `workers` at once (default: one per
-    core this process may use): on this project's 2-core VM two such processes build ~1.25x faster than one
-    multi-threaded process, and the weights are bit-identical (tests/test_demo_bases.py)."""
+    core this process may use). On this project's 2-core VM the three take ~560 s so, against ~940 s one after
+    another in one process (experiments/results/demo_timing.json); the weights are bit-identical
+    (tests/test_demo_bases.py)."""
     missing = [f for f in dict.fromkeys(families) if not (_cache_dir(f) / "config.json").is_file()]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(len(missing), workers or cores)
