@@ -107,14 +107,15 @@ def _cache_dir(family: str) -> Path:
 def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None) -> dict[str, Path]:
     """Build (or find cached) the bases of `families`; returns family -> directory.
 
-    Missing bases are built side by side, one single-threaded process each, `workers` at once (default: one per
-    core this process may use). On this project's 2-core VM the three take ~560 s so, against ~940 s one after
-    another in one process (experiments/results/demo_timing.json); the weights are bit-identical
-    (tests/test_demo_bases.py)."""
+    On a CPU backend, missing bases are built side by side, one single-threaded process each, `workers` at once
+    (default: one per core this process may use). On this project's 2-core VM the three take ~560 s this way,
+    against ~940 s one after another in one process (experiments/results/demo_timing.json); the weights are bit-identical
+    (tests/test_demo_bases.py). On an accelerator they are built here, one after another (fast there, and child
+    processes could not share its memory)."""
     missing = [f for f in dict.fromkeys(families) if not (_cache_dir(f) / "config.json").is_file()]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(len(missing), workers or cores)
-    if workers > 1:
+    if workers > 1 and jax.default_backend() == "cpu":
         cost = {f: RECIPES[f].steps * RECIPES[f].batch_size for f in missing}
         lanes, load = [[] for _ in range(workers)], [0] * workers
         for family in sorted(missing, key=cost.get, reverse=True):  # longest first, onto the least loaded lane
@@ -128,8 +129,8 @@ def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None
 
 def _build_in_subprocesses(families: Sequence[str], slot: int) -> None:
     """Build each family's base (its current recipe) into the cache, one after another, each in a single-threaded
-    child process whose progress bar is on terminal line `slot`."""
-    env = dict(os.environ, TQDM_POSITION=str(slot),
+    CPU child process whose progress bar is on terminal line `slot`."""
+    env = dict(os.environ, TQDM_POSITION=str(slot), JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip())
     code = "import sys; from corl_jax import demo_bases; demo_bases._build_once_from_json(*sys.argv[1:])"
     for family in families:
