@@ -52,7 +52,8 @@ def resolve_model_path(model_path: str) -> str:
 
 def resolve_model_paths(model_paths: list[str]) -> list[str]:
     """`resolve_model_path` of each; the missing `demo:` bases among them are first built side by side."""
-    demo = [family for kind, _, family in (p.partition(":") for p in model_paths) if kind == "demo" and family in FAMILIES]
+    specs = [path.partition(":") for path in model_paths]
+    demo = [family for kind, _, family in specs if kind == "demo" and family in FAMILIES]
     if demo:  # (an unknown family gets resolve_model_path's error)
         from corl_jax.demo_bases import build_all
 
