@@ -112,7 +112,7 @@ def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None
     against ~940 s one after another in one process (experiments/results/demo_timing.json); the weights are
     bit-identical (tests/test_demo_bases.py). On an accelerator they are built here, one after another (fast there,
     and child processes could not share its memory)."""
-    missing = [f for f in dict.fromkeys(families) if not (_cache_dir(f) / "config.json").is_file()]
+    missing = [f for f in dict.fromkeys(families) if not zoo.is_built(_cache_dir(f))]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(len(missing), workers or cores)
     if workers > 1 and jax.default_backend() == "cpu":

@@ -66,9 +66,14 @@ def _check_family(model_path: str, family: str) -> None:
         raise ValueError(f"unknown family in model path {model_path!r}; use one of {FAMILIES}")
 
 
+def is_built(directory: Path) -> bool:
+    """Whether `directory` holds a complete built checkpoint (`_build_once` renames it into place when done)."""
+    return (directory / "config.json").is_file()
+
+
 def _build_once(directory: Path, build) -> Path:
     """Build into a temporary sibling and rename, so a killed build never leaves a half directory."""
-    if (directory / "config.json").is_file():
+    if is_built(directory):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
@@ -76,7 +81,7 @@ def _build_once(directory: Path, build) -> Path:
         build(tmp)
         os.replace(tmp, directory)
     except OSError:
-        if not (directory / "config.json").is_file():  # lost a race to a concurrent builder: theirs is complete
+        if not is_built(directory):  # lost a race to a concurrent builder: theirs is complete
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

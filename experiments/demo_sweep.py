@@ -203,7 +203,7 @@ def main() -> None:
     if args.variant == "demo":
         from corl_jax.demo_bases import build_all
 
-        build_all(FAMILIES)  # side by side, one process per core
+        build_all(FAMILIES)
         payload["bases"] = measure_bases(args.num_test)
         payload["bases_seconds"] = round(time.time() - start, 1)
         print(json.dumps(payload["bases"]), flush=True)
