@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -110,37 +111,43 @@ def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None
     """Build (or find cached) the bases of `families`; returns family -> directory.
 
     On a CPU backend, missing bases are built side by side, one single-threaded process each, `workers` at once
-    (default: one per core this process may use). On this project's 2-core VM the three take ~560 s this way,
-    against ~940 s one after another in one process (experiments/results/demo_timing.json); the weights are
-    bit-identical (tests/test_demo_bases.py). On an accelerator they are built here, one after another (fast there,
-    and child processes could not share its memory)."""
+    (default: one per core this process may use), longest recipe first, each worker taking the next base when it
+    is free. On this project's 2-core VM the three take ~560 s this way, against ~940 s one after another in one
+    process (experiments/results/demo_timing.json); the weights are bit-identical (tests/test_demo_bases.py). On an
+    accelerator they are built here, one after another (fast there, and child processes could not share its
+    memory)."""
     missing = [f for f in dict.fromkeys(families) if not zoo.is_built(_cache_dir(f))]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(len(missing), workers or cores)
     if workers > 1 and jax.default_backend() == "cpu":
+        slots = queue.SimpleQueue()  # progress-bar lines of the free workers
+        for slot in range(workers):
+            slots.put(slot)
+
+        def build(family):
+            slot = slots.get()
+            try:
+                _build_in_subprocess(family, slot)
+            finally:
+                slots.put(slot)
+
         cost = {f: RECIPES[f].steps * RECIPES[f].batch_size for f in missing}
-        lanes, load = [[] for _ in range(workers)], [0] * workers
-        for family in sorted(missing, key=cost.get, reverse=True):  # longest first, onto the least loaded lane
-            lane = load.index(min(load))
-            lanes[lane].append(family)
-            load[lane] += cost[family]
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(_build_in_subprocesses, lanes, range(workers)))
+            list(pool.map(build, sorted(missing, key=cost.get, reverse=True)))
     return {family: demo_base_dir(family) for family in families}
 
 
-def _build_in_subprocesses(families: Sequence[str], slot: int) -> None:
-    """Build each family's base (its current recipe) into the cache, one after another, each in a single-threaded
-    CPU child process whose progress bar is on terminal line `slot`."""
+def _build_in_subprocess(family: str, slot: int) -> None:
+    """Build `family`'s base (its current recipe) into the cache in a single-threaded CPU child process whose
+    progress bar is on terminal line `slot`."""
     env = dict(os.environ, TQDM_POSITION=str(slot), JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip())
     code = "import sys; from corl_jax import demo_bases; demo_bases._build_once_from_json(*sys.argv[1:])"
-    for family in families:
-        recipe = json.dumps(dataclasses.asdict(RECIPES[family]))
-        result = subprocess.run([sys.executable, "-c", code, family, str(_cache_dir(family)), recipe], env=env)
-        if result.returncode:
-            raise RuntimeError(f"building the demo:{family} base failed (exit status {result.returncode}, see its "
-                               "output above); nothing of it was cached, so the next run builds it again")
+    recipe = json.dumps(dataclasses.asdict(RECIPES[family]))
+    result = subprocess.run([sys.executable, "-c", code, family, str(_cache_dir(family)), recipe], env=env)
+    if result.returncode:
+        raise RuntimeError(f"building the demo:{family} base failed (exit status {result.returncode}, see its "
+                           "output above); nothing of it was cached, so the next run builds it again")
 
 
 def _build_once_from_json(family: str, directory: str, recipe_json: str) -> None:

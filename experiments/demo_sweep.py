@@ -176,15 +176,19 @@ def main() -> None:
     parser.add_argument("--workdirs", default=tempfile.mkdtemp(prefix="demo_sweep_"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plots of <out>/sweep.json")
     parser.add_argument("--merge", nargs="+", default=[],
-                        help="sweep.json files (e.g. seeds run on different machines) whose runs make <out>/sweep.json")
+                        help="sweep.json files (e.g. seeds run on different machines) whose runs make <out>/sweep.json; "
+                             "FILE:COND,COND takes only those conditions' runs from FILE; the first file's bases are kept")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
-        parts = [json.loads(Path(f).read_text()) for f in args.merge]
-        runs = [dict(r, device=p.get("device"), sweep=f) for f, p in zip(args.merge, parts) for r in p["runs"]]
-        payload = dict(command=" ".join(sys.argv), merged=[dict(file=f, command=p["command"], device=p.get("device"),
-                                                                note=p.get("note", "")) for f, p in zip(args.merge, parts)],
+        files = [spec.partition(":") for spec in args.merge]  # FILE or FILE:CONDITION,CONDITION
+        parts = [json.loads(Path(f).read_text()) for f, _, _ in files]
+        runs = [dict(r, device=p.get("device"), sweep=f) for (f, _, keep), p in zip(files, parts) for r in p["runs"]
+                if not keep or r["condition"] in keep.split(",")]
+        payload = dict(command=" ".join(sys.argv), merged=[dict(file=f, conditions=keep or "all", command=p["command"],
+                                                                device=p.get("device"), note=p.get("note", ""))
+                                                           for (f, _, keep), p in zip(files, parts)],
                        bases=parts[0].get("bases"), runs=runs, summary=aggregate(runs))
         payload["plots"] = plot(payload, out)
         (out / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")

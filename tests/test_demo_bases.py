@@ -7,6 +7,7 @@ is cached and atomic. The full build (minutes) is not run here.
 
 import dataclasses
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +124,7 @@ def test_side_by_side_builds_match_an_in_process_build_bit_for_bit(cache, monkey
     family = "llama"
     demo_bases.build_demo_base(tmp_path / "here", family)
     monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path / "cache"))
-    demo_bases._build_in_subprocesses([family], slot=0)
+    demo_bases._build_in_subprocess(family, slot=0)
     child = demo_bases.demo_base_dir(family)
     assert child.parent == tmp_path / "cache" / "zoo"
     assert (child / "model.safetensors").read_bytes() == (tmp_path / "here" / "model.safetensors").read_bytes()
@@ -134,7 +135,31 @@ def test_a_failed_side_by_side_build_names_the_base_and_caches_nothing(cache, mo
     monkeypatch.setitem(demo_bases.RECIPES, "qwen2", dataclasses.replace(demo_bases.RECIPES["qwen2"], tokenizer="?"))
     with pytest.raises(RuntimeError, match="building the demo:qwen2 base failed .* builds it again"):
         demo_bases.build_all(["qwen2", "qwen3"], workers=2)
-    assert [p.name for p in (tmp_path / "zoo").iterdir()] == [demo_bases._cache_dir("qwen3").name]  # the other lane's
+    assert [p.name for p in (tmp_path / "zoo").iterdir()] == [demo_bases._cache_dir("qwen3").name]  # the other worker's
+
+
+def test_side_by_side_builds_give_the_next_base_to_the_first_free_worker(monkeypatch, tmp_path):
+    """Longest recipe first; the third base goes to whichever worker finishes first, not to a lane fixed up front."""
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path))
+    for family, steps in (("qwen2", 30), ("qwen3", 20), ("llama", 10)):
+        monkeypatch.setitem(demo_bases.RECIPES, family, dataclasses.replace(demo_bases.RECIPES[family], steps=steps))
+    seconds = {"qwen2": 1.0, "qwen3": 0.1, "llama": 0.1}  # qwen3 finishes long before qwen2
+    events = []
+
+    def fake_build(family, slot):
+        events.append(("start", family, slot))
+        time.sleep(seconds[family])
+        directory = demo_bases._cache_dir(family)
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+        events.append(("end", family, slot))
+
+    monkeypatch.setattr(demo_bases, "_build_in_subprocess", fake_build)
+    built = demo_bases.build_all(["qwen2", "llama", "qwen3"], workers=2)
+    assert sorted(built) == ["llama", "qwen2", "qwen3"]
+    assert events[:2] == [("start", "qwen2", 0), ("start", "qwen3", 1)]
+    assert events.index(("start", "llama", 1)) == events.index(("end", "qwen3", 1)) + 1
+    assert events[-1] == ("end", "qwen2", 0)
 
 
 def test_report_measures_each_family_on_the_same_problems(cache, capsys):
