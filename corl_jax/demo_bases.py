@@ -140,14 +140,20 @@ def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None
 def _build_in_subprocess(family: str, slot: int) -> None:
     """Build `family`'s base (its current recipe) into the cache in a single-threaded CPU child process whose
     progress bar is on terminal line `slot`."""
-    env = dict(os.environ, TQDM_POSITION=str(slot), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip())
+    env = dict(single_threaded_cpu_env(), TQDM_POSITION=str(slot))
     code = "import sys; from corl_jax import demo_bases; demo_bases._build_once_from_json(*sys.argv[1:])"
     recipe = json.dumps(dataclasses.asdict(RECIPES[family]))
     result = subprocess.run([sys.executable, "-c", code, family, str(_cache_dir(family)), recipe], env=env)
     if result.returncode:
         raise RuntimeError(f"building the demo:{family} base failed (exit status {result.returncode}, see its "
                            "output above); nothing of it was cached, so the next run builds it again")
+
+
+def single_threaded_cpu_env() -> dict:
+    """This process's environment for a child that runs JAX on one CPU thread. Its builds are bit-identical to
+    one in a whole-machine process; a multi-threaded process pinned to one core (taskset) builds other bytes."""
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip())
 
 
 def _build_once_from_json(family: str, directory: str, recipe_json: str) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from corl_jax import arithmetic  # noqa: E402
+from corl_jax import arithmetic, demo_bases  # noqa: E402
 
 def _arch(hidden, intermediate, layers, kv_heads=2, head_dim=None) -> dict:
     """HF config fields of a 4-head candidate shape (head_dim None: hidden / heads)."""
@@ -144,7 +144,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="demo_recipes_"))
     parser.add_argument("--deadline", type=float, default=3600, help="stop (kill) candidates after this many s")
     parser.add_argument("--cores-per-job", type=int, default=0,
-                        help="pin each candidate to its own set of this many CPU cores (taskset; 0: no pinning)")
+                        help="pin each candidate to its own set of this many CPU cores (taskset; 0: no pinning; "
+                             "1: single-threaded on the CPU, as the default builds its bases)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this candidate, print its JSON
     args = parser.parse_args()
     if args.one:
@@ -155,7 +156,9 @@ def main() -> None:
         raise SystemExit(f"unknown candidates {sorted(unknown)}; known: {sorted(CANDIDATES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+    # One core per candidate builds what the default builds (single-threaded); grids 1-7 ran before this.
+    base_env = demo_bases.single_threaded_cpu_env() if args.cores_per_job == 1 else os.environ
+    env = dict(base_env, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     payload = dict(command=" ".join(sys.argv), results=[], errors={})
 
