@@ -65,6 +65,7 @@ def test_families_differ_in_tokenizer_architecture_and_parameter_count(cache):
     assert policies["qwen2"].tokenizer.decode(prompts["qwen2"]) == chat_prompt(policies["qwen2"].tokenizer, text)
     sizes = {sum(x.size for x in jax.tree.leaves(nnx.state(p.model, nnx.Param))) for p in policies.values()}
     assert len(sizes) == len(FAMILIES)  # qkv biases (qwen2), q/k norms (qwen3), untied unembedding (llama)
+    assert {f: p.config.num_layers for f, p in policies.items()} == {"qwen2": 4, "llama": 4, "qwen3": 3}
     assert {f: p.config.model_type for f, p in policies.items()} == {"qwen2": "qwen2", "llama": "llama",
                                                                      "qwen3": "qwen3"}
 
