@@ -112,7 +112,7 @@ def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None
 
     On a CPU backend, missing bases are built side by side, one single-threaded process each, `workers` at once
     (default: one per core this process may use), longest recipe first, each worker taking the next base when it
-    is free. On this project's 2-core VM the three take ~560 s this way, against ~940 s one after another in one
+    is free. On this project's 2-core VM the three take ~540 s this way, against ~940 s one after another in one
     process (experiments/results/demo_timing.json); the weights are bit-identical (tests/test_demo_bases.py). On an
     accelerator they are built here, one after another (fast there, and child processes could not share its
     memory)."""

@@ -176,8 +176,9 @@ def main() -> None:
     parser.add_argument("--workdirs", default=tempfile.mkdtemp(prefix="demo_sweep_"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plots of <out>/sweep.json")
     parser.add_argument("--merge", nargs="+", default=[],
-                        help="sweep.json files (e.g. seeds run on different machines) whose runs make <out>/sweep.json; "
-                             "FILE:COND,COND takes only those conditions' runs from FILE; the first file's bases are kept")
+                        help="sweep.json files (e.g. seeds run on different machines) whose runs make "
+                             "<out>/sweep.json; FILE:COND,COND takes only those conditions' runs from FILE; "
+                             "the first file's bases are kept")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
