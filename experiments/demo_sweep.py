@@ -143,8 +143,8 @@ def plot(payload: dict, out: Path) -> list[str]:
     ax.set_xticks(positions, labels, rotation=60, fontsize=7, ha="right")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_ylabel("eval accuracy gain (final - base)")
-    ax.set_title(f"demo world: gain over the base per agent, mean and 95% CI over seeds ({payload['command']})",
-                 fontsize=7)
+    ax.set_title("demo world: gain over the base per agent, mean and 95% CI over seeds (command: sweep.json)",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "gains.png", dpi=120)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
