@@ -50,6 +50,7 @@ setup(
     version="0.1.0",
     description="Co-RL: label-free multi-agent GRPO for LLM reasoning, in JAX/Flax NNX",
     packages=find_packages(include=["corl_jax", "corl_jax.*"]),
+    package_data={"corl_jax": ["assets/*.json"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

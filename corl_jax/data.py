@@ -4,6 +4,7 @@ Sources, named by one string (`config.data.train_path` / `eval_path`):
   * a file: `*.json` (a JSON array of objects), `*.jsonl`, `*.parquet`;
   * `hf:<name>[:split]`: a Hugging Face dataset (needs `datasets` and, for a hub name, the hub);
   * `tfds:<name>[:split]`: a prepared TFDS builder, read through `tfds.data_source` (array_record builders);
+  * `math500`: MATH-500 as the reference bundles it (500 rows, shipped in `corl_jax/assets/`);
   * `arithmetic[:split][?setting=value&...]`: the synthetic arithmetic world (`corl_jax.arithmetic`; split `rl` by
     default; settings `levels` (comma-separated), `word_fraction`, `max_value`, `rephrasing` (words|symbols), e.g.
     `arithmetic:test?levels=2,3&max_value=60`).
@@ -82,8 +83,13 @@ def _arithmetic_problems(spec: str) -> list[Problem]:
         raise DataError(f"{spec}: {e}. {fix}") from e
 
 
+MATH500_PATH = os.path.join(os.path.dirname(__file__), "assets", "math500_test.json")
+
+
 def load_rows(spec: str) -> list[Mapping[str, Any]]:
     """The raw rows of a source named by `spec` (see the module docstring), as mappings."""
+    if spec == "math500":
+        return _read_json_array(MATH500_PATH)
     scheme, _, rest = spec.partition(":")
     if scheme == "hf" and rest:
         return _read_hf(*_name_and_split(rest))
@@ -91,7 +97,7 @@ def load_rows(spec: str) -> list[Mapping[str, Any]]:
         return _read_tfds(*_name_and_split(rest))
     if not os.path.exists(spec):
         raise DataError(f"{spec}: no such file. Fix: point the path at a local .json/.jsonl/.parquet file, or use "
-                        "'hf:<name>[:split]', 'tfds:<name>[:split]' or 'arithmetic[:split]'")
+                        "'hf:<name>[:split]', 'tfds:<name>[:split]', 'math500' or 'arithmetic[:split]'")
     if spec.endswith(".jsonl"):
         return _read_jsonl(spec)
     if spec.endswith(".json"):

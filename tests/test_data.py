@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from corl_jax import arithmetic
-from corl_jax.data import (DataError, Problem, PromptStream, arithmetic_source, holdout_split, load_problems,
+from corl_jax.data import (MATH500_PATH, DataError, Problem, PromptStream, arithmetic_source, holdout_split, load_problems,
                            load_train_and_eval)
 
 ROWS = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "Solve x + 3 = 5.", "answer": 2},
@@ -70,10 +70,11 @@ def test_explicit_fields_with_dotted_paths(tmp_path):
     assert (problem.text, problem.answer) == ("P", "A")
 
 
-def test_math500_file():
-    if not MATH500.exists():
-        pytest.skip(f"{MATH500} is not laid out on this machine")
-    problems = load_problems(str(MATH500))
+def test_math500_ships_with_the_package():
+    """`math500` reads the bundled copy, byte-identical to the reference's file where shared/ is laid out."""
+    if MATH500.exists():
+        assert open(MATH500_PATH, "rb").read() == MATH500.read_bytes()
+    problems = load_problems("math500")
     assert len(problems) == 500
     assert problems[0].answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert problems[0].text.startswith("Convert the point $(0,3)$")
