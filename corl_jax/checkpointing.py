@@ -182,13 +182,24 @@ class Checkpointer:
 def fingerprint(state: Any) -> dict[str, dict[str, Any]]:
     """Per array of `state` (by path): dtype, whether it is finite, and two wrapping uint32 sums of its bits (plain
     and position-weighted), computed on the array's own devices and exact whatever the sharding."""
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    sums = jax.device_get([_sums(jax.numpy.asarray(x)) for _, x in flat])
+    flat = [(path, jax.numpy.asarray(x)) for path, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    groups: dict[frozenset, list[int]] = {}  # one program per device set (agents may own disjoint devices)
+    for i, (_, x) in enumerate(flat):
+        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    sums: list[Any] = [None] * len(flat)
+    for indices in groups.values():
+        for i, result in zip(indices, _all_sums([flat[i][1] for i in indices])):
+            sums[i] = result
+    sums = jax.device_get(sums)
     return {_path_name(path): {"dtype": str(np.dtype(x.dtype)), "finite": bool(finite), "sums": [int(a), int(b)]}
             for (path, x), (a, b, finite) in zip(flat, sums)}
 
 
 @jax.jit
+def _all_sums(arrays: list[jax.Array]) -> list:
+    return [_sums(x) for x in arrays]
+
+
 def _sums(x: jax.Array):
     jnp = jax.numpy
     if x.dtype == jnp.bool_:
