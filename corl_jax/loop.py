@@ -74,15 +74,15 @@ class Interrupted(Exception):
         self.signum, self.step = signum, step
 
 
-class _StopRequest:
-    """While active, SIGINT/SIGTERM only set `signum`: the loop finishes its step, saves and raises Interrupted.
-    A second signal gets the previous handler (stop at once; the last checkpoint stands)."""
+class StopRequest:
+    """While active, SIGINT/SIGTERM only set `signum` (`train` then finishes its step, saves and raises
+    Interrupted). A second signal gets the previous handler: stop at once, the last checkpoint stands."""
 
     def __init__(self):
         self.signum: int | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> _StopRequest:
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
@@ -99,11 +99,12 @@ class _StopRequest:
             signal.signal(s, handler)
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | None = None) -> dict:
     """Train (or resume) the run of `config` in `workdir`; returns the summary written to summary.json.
 
     Its "faults" list names what went wrong and was recovered from (a damaged checkpoint set aside), over the
-    whole run; `corl_jax.train` then exits non-zero. SIGINT/SIGTERM raise Interrupted after a checkpoint."""
+    whole run; `corl_jax.train` then exits non-zero. Once `stop` has caught a signal, the step in progress is
+    finished and saved, then Interrupted is raised."""
     changes = run_dir.prepare(config, workdir)
     train_problems, eval_problems = load_train_and_eval(
         config.data, train_needs_answers=config.method == "gt_reward")
@@ -136,37 +137,37 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         tqdm.write(f"step {step}: eval accuracy " + ", ".join(f"{n} {a:.3f}" for n, a in accuracies.items()))
         return accuracies
 
-    try:
-        with _StopRequest() as stop:
-            if start == 0:
-                maybe_eval(0)
-            bar = tqdm(total=total_steps, initial=start, dynamic_ncols=True,
-                       desc="co-rl" if config.method == "co_rl" else config.method)
-            for step in range(start + 1, total_steps + 1):
-                t0 = time.perf_counter()
-                block = next(stream)
-                metrics, records = cohort.step(block, step)
-                for name, m in metrics.items():
-                    nonfinite[name] += int(m["skipped"])
-                _check_nonfinite(nonfinite, config.train.max_nonfinite_updates, step)
-                flat = {f"{name}/{k}": v for name, m in metrics.items() for k, v in m.items()}
-                flat["time/step"] = time.perf_counter() - t0
-                log.scalars(step, flat)
-                if config.train.log_records:
-                    log.records(records)
-                accuracies = None if stop.signum else maybe_eval(step)
-                if step % config.train.save_every == 0 or step == total_steps or stop.signum:
-                    metric = None if accuracies is None else float(np.mean(list(accuracies.values())))
-                    checkpointer.save(_snapshot(cohort, stream, step, history, nonfinite, faults, metric))
-                bar.set_postfix({f"{n}": f"r={m['reward']:.2f}" for n, m in metrics.items()})
-                bar.update(1)
-                if stop.signum:
-                    raise Interrupted(stop.signum, step)
-            bar.close()
-    finally:
-        checkpointer.wait()
-        checkpointer.close()
-        log.close()
+    if start == 0:
+        maybe_eval(0)
+    bar = tqdm(total=total_steps, initial=start, desc="co-rl" if config.method == "co_rl" else config.method,
+               dynamic_ncols=True)
+    for step in range(start + 1, total_steps + 1):
+        t0 = time.perf_counter()
+        block = next(stream)
+        metrics, records = cohort.step(block, step)
+        for name, m in metrics.items():
+            nonfinite[name] += int(m["skipped"])
+        _check_nonfinite(nonfinite, config.train.max_nonfinite_updates, step)
+        flat = {f"{name}/{k}": v for name, m in metrics.items() for k, v in m.items()}
+        flat["time/step"] = time.perf_counter() - t0
+        log.scalars(step, flat)
+        if config.train.log_records:
+            log.records(records)
+        stopping = stop is not None and stop.signum is not None
+        accuracies = None if stopping else maybe_eval(step)
+        if step % config.train.save_every == 0 or step == total_steps or stopping:
+            metric = None if accuracies is None else float(np.mean(list(accuracies.values())))
+            checkpointer.save(_snapshot(cohort, stream, step, history, nonfinite, faults, metric))
+        bar.set_postfix({f"{n}": f"r={m['reward']:.2f}" for n, m in metrics.items()})
+        bar.update(1)
+        if stopping:
+            checkpointer.close()
+            log.close()
+            raise Interrupted(stop.signum, step)
+    bar.close()
+    checkpointer.wait()
+    checkpointer.close()
+    log.close()
     summary = {"agents": history.summary(), "steps": total_steps, "nonfinite_updates": nonfinite,
                "best_checkpoint_step": _best_step(workdir), "faults": faults}
     write_json(os.path.join(workdir, "summary.json"), summary)

@@ -1,7 +1,8 @@
 """Train a Co-RL cohort (or a baseline): `python -m corl_jax.train --config=configs/ring3.py[:variant] --workdir=DIR`.
 
 Any config key can be overridden, e.g. `--config.rollout.num_generations=4`; an unknown key is an error that names
-it. A workdir that already holds checkpoints is resumed from its latest step (unless `--config.train.resume=False`).
+it. A used workdir is resumed from its latest good checkpoint; `--config.train.restart=True` moves its old run aside
+and starts afresh (docs/faults.md: what is guaranteed, and the exit statuses).
 On several hosts, launch the same command on every host: `jax.distributed` is initialised from the environment.
 """
 
@@ -70,13 +71,14 @@ def run(config, workdir: str) -> int:
     from corl_jax.checkpointing import CheckpointError
     from corl_jax.config import ConfigError, validate
     from corl_jax.data import DataError
-    from corl_jax.loop import Interrupted, train
+    from corl_jax.loop import Interrupted, StopRequest, train
     from corl_jax.workdir import WorkdirError
 
     try:
         validate(config)
         logging.info("config:\n%s", config)
-        summary = train(config, workdir)
+        with StopRequest() as stop:
+            summary = train(config, workdir, stop)
     except (ConfigError, DataError, WorkdirError, CheckpointError, FileNotFoundError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
