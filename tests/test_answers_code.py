@@ -247,6 +247,70 @@ def test_batches_match_single_calls():
         voting_answer_batch(texts, [test_code], limits=FAST)
 
 
+# A completion that fails its test and tries to report a pass anyway. Each forge runs at module
+# level (before the tests) and/or from the failing test itself.
+FORGES = {
+    "print the marker": "import sys\nprint('<PASS>')\nprint('\"<PASS>\"', file=sys.__stdout__)",
+    "old results file": "import os\nopen('results.jsonl', 'a').write('\"<PASS>\"\\n')\nos._exit(0)",
+    "lines on every fd": """
+        import os
+        line = b"1 " + "<PASS>".encode().hex().encode() + b" " + b"0" * 32 + b"\\n"
+        for fd in range(64):
+            try:
+                os.write(fd, line)
+            except OSError:
+                pass
+        os._exit(0)""",
+    "replay a genuine line": """
+        import os
+        for fd in range(3, 64):
+            try:
+                first = os.pread(fd, 4096, 0).split(b"\\n")[0]
+            except OSError:
+                continue
+            if first[:2] == b"0 ":
+                os.write(fd, first + b"\\n" + b"1" + first[1:] + b"\\n")
+        os._exit(0)""",
+    "exit 0 in the test": "import os\ndef check():\n    os._exit(0)",
+    "sys.exit in the test": "import sys\ndef check():\n    sys.exit(0)",
+    "SystemExit in __del__": """
+        class Bomb:
+            def __del__(self):
+                raise SystemExit(0)
+        def check():
+            Bomb()""",
+    "patch the checker": """
+        import builtins, hashlib, json, os, __main__
+        __main__.marker = lambda exc: "<PASS>"
+        __main__.run_tests = lambda job, record: record("<PASS>")
+        json.dumps = lambda value: '"<PASS>"'
+        builtins.isinstance = lambda value, kind: False
+        builtins.callable = lambda value: value is not None
+        real_write = os.write
+        os.write = lambda fd, data: real_write(fd, data.replace(
+            "<ERR:AssertionError>".encode().hex().encode(), "<PASS>".encode().hex().encode()))
+        hashlib.blake2b = lambda *args, **kwargs: hashlib.sha256(b"")""",
+    "raise from the timer": """
+        import signal
+        def check():
+            signal.signal(signal.SIGALRM, lambda *args: None)
+            signal.setitimer(signal.ITIMER_REAL, 0)""",
+}
+
+
+@pytest.mark.parametrize("name", FORGES)
+def test_a_failing_completion_cannot_forge_a_pass(name):
+    forge = textwrap.dedent(FORGES[name]).strip()
+    solution = f"{forge}\ndef f():\n    return 2"
+    tests = "def test_value():\n    check()\n    assert f() == 1" if "def check" in forge \
+        else "def test_value():\n    assert f() == 1"
+    assert not passes_tests(fenced(solution), tests, limits=FAST)
+    # the same completion passes once its value is right: the forge itself breaks nothing
+    if name not in ("old results file", "lines on every fd", "replay a genuine line",
+                    "exit 0 in the test", "sys.exit in the test"):
+        assert passes_tests(fenced(solution.replace("return 2", "return 1")), tests, limits=FAST)
+
+
 @pytest.mark.parametrize("field, value", [("call_seconds", 0), ("memory_bytes", -1),
                                           ("wall_seconds", 0.0), ("max_processes", 0)])
 def test_limits_reject_non_positive(field, value):
@@ -338,8 +402,8 @@ def test_writes_outside_the_workdir_fail(tmp_path):
         assert run_one(source).startswith("<ERR:"), source
     assert not os.path.exists(target) and tmp_path.exists()
     # inside the working directory writing works, and the directory is removed afterwards
-    source = ("import os\ndef f():\n    open('a.txt', 'w').write('hi')\n"
-              "    return os.getcwd(), open('a.txt').read()")
+    source = ("import os\ndef f():\n    os.mkdir('sub')\n    open('sub/a.txt', 'w').write('hi')\n"
+              "    return os.getcwd(), open('sub/a.txt').read()")
     workdir, content = ast.literal_eval(run_one(source))
     assert content == "hi" and os.path.basename(workdir).startswith("corl_sandbox_")
     assert not os.path.exists(workdir)
@@ -352,14 +416,45 @@ def test_temp_dirs_are_removed(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_parent_secrets_are_not_visible(monkeypatch):
+def test_parent_environment_is_not_inherited(monkeypatch):
     monkeypatch.setenv("CORL_SECRET", "xyz")
     assert run_one("import os\ndef f():\n    return os.environ.get('CORL_SECRET')") == "None"
     keys = ast.literal_eval(run_one("import os\ndef f():\n    return sorted(os.environ)"))
     assert set(keys) <= {"PATH", "LANG", "HOME", "TMPDIR", "PYTHONHASHSEED", "OMP_NUM_THREADS",
                          "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "LC_CTYPE"}
-    source = "import os\ndef f():\n    return open(f'/proc/{os.getppid()}/environ', 'rb').read()"
-    assert run_one(source) == "<ERR:PermissionError>"
+
+
+# Ways to read the trainer's (this process's) environment or command line through /proc.
+PROC_ESCAPES = {
+    "path": "open('/proc/{pid}/environ', 'rb').read()",
+    "cmdline": "open('/proc/{pid}/cmdline', 'rb').read()",
+    "dotdot": "open('/proc/self/../{pid}/environ', 'rb').read()",
+    "root link": "open('/proc/self/root/proc/{pid}/environ', 'rb').read()",
+    "dir_fd proc": "os.read(os.open('{pid}/environ', os.O_RDONLY, "
+                   "dir_fd=os.open('/proc', os.O_RDONLY)), 1 << 16)",
+    "dir_fd root": "os.read(os.open('proc/{pid}/cmdline', os.O_RDONLY, "
+                   "dir_fd=os.open('/', os.O_RDONLY | os.O_DIRECTORY)), 1 << 16)",
+    "dir_fd self": "os.read(os.open('../{pid}/environ', os.O_RDONLY, "
+                   "dir_fd=os.open('/proc/self', os.O_PATH)), 1 << 16)",
+    "chdir": "(os.chdir('/proc'), open('{pid}/environ', 'rb').read())",
+}
+
+
+@pytest.mark.parametrize("name", PROC_ESCAPES)
+def test_other_processes_proc_entries_are_unreadable(name):
+    expression = PROC_ESCAPES[name].format(pid=os.getpid())  # the sandbox's parent
+    assert run_one(f"import os\ndef f():\n    return {expression}") == "<ERR:PermissionError>"
+
+
+def test_own_proc_entries_and_ordinary_files_stay_readable():
+    source = """
+    import os, sys
+    def f():
+        status = open('/proc/self/status').read()
+        return (f"Pid:\\t{os.getpid()}" in status, len(open(sys.executable, 'rb').read(4)),
+                len(os.listdir(os.path.dirname(os.__file__))) > 10)
+    """
+    assert run_one(source) == "(True, 4, True)"
 
 
 @pytest.mark.parametrize("attack", [
@@ -403,48 +498,76 @@ def test_sandbox_exits_when_its_parent_dies(tmp_path):
         time.sleep(0.05)
 
 
-# --------------------------------------------------------------------- kernel layers alone
+# ------------------------------------------------------------------------ each layer alone
 
 
-def test_kernel_layers_refuse_escapes_without_the_audit_hook(tmp_path):
-    """The runner's kernel confinement on its own (no audit hook): fork, exec, sockets, signals
-    to the parent and writes outside the directory fail in the kernel; threads still work."""
-    layers = sandbox_confinement(FAST)
-    if not layers["landlock_abi"] or not layers["seccomp"]:
-        pytest.skip(f"kernel layers unavailable here: {layers}")
-    outside = f"/tmp/corl_pwned_{uuid.uuid4().hex}"
+def probe_layer(tmp_path, setup: str, attempts: dict[str, str]) -> dict:
+    """Run `setup` (a call into the runner module, imported as `runner`) in a fresh interpreter
+    whose parent is this process, then each attempt; {name: "allowed" or the errno, 0 for a
+    PermissionError without one (the audit hook's)}."""
     probe = textwrap.dedent(f"""
         import importlib.util, json, os, socket, threading
         spec = importlib.util.spec_from_file_location("runner", {str(RUNNER)!r})
         runner = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(runner)
-        runner.confine_kernel({str(tmp_path)!r})
+        {setup}
         results = {{}}
-        def attempt(name, action):
+        for name, source in json.loads({json.dumps(json.dumps(attempts))}).items():
+            os.chdir({str(tmp_path)!r})  # undo an attempt's chdir
             try:
-                action()
+                exec(source, {{"os": os, "socket": socket, "threading": threading}})
                 results[name] = "allowed"
             except OSError as error:
-                results[name] = error.errno
-        attempt("fork", os.fork)
-        attempt("exec", lambda: os.execv("/bin/true", ["true"]))
-        attempt("socket", socket.socket)
-        attempt("kill parent", lambda: os.kill(os.getppid(), 0))
-        attempt("write outside", lambda: open({outside!r}, "w"))
-        attempt("write inside", lambda: open({str(tmp_path / "ok")!r}, "w").close())
-        attempt("signal self", lambda: os.kill(os.getpid(), 0))
-        thread = threading.Thread(target=lambda: results.update(thread="ran"))
-        thread.start()
-        thread.join()
+                results[name] = error.errno or 0
         print(json.dumps(results))
     """)
     done = subprocess.run([sys.executable, "-S", "-P", "-c", probe], capture_output=True,
                           text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    results = json.loads(done.stdout)
-    refused = {name: results[name] for name in ("fork", "exec", "socket", "kill parent",
-                                                 "write outside")}
-    assert all(value in (1, 13) for value in refused.values()), results  # EPERM / EACCES
-    assert results["write inside"] == results["signal self"] == "allowed"
-    assert results["thread"] == "ran"
+    return json.loads(done.stdout)
+
+
+PROC_ATTEMPTS = {name: f"import os\n{expression.format(pid=os.getpid())}"
+                 for name, expression in PROC_ESCAPES.items()}
+
+
+def test_kernel_layers_refuse_escapes_without_the_audit_hook(tmp_path):
+    """The runner's kernel confinement on its own (no audit hook): fork, exec, sockets, signals
+    to the parent, writes outside the directory and reads of the parent's /proc entries fail in
+    the kernel; threads, own /proc entries and ordinary reads still work."""
+    layers = sandbox_confinement(FAST)
+    if not layers["landlock_abi"] or not layers["seccomp"]:
+        pytest.skip(f"kernel layers unavailable here: {layers}")
+    outside = f"/tmp/corl_pwned_{uuid.uuid4().hex}"
+    attempts = {
+        "fork": "os.fork()",
+        "exec": "os.execv('/bin/true', ['true'])",
+        "socket": "socket.socket()",
+        "kill parent": "os.kill(os.getppid(), 0)",
+        "write outside": f"open({outside!r}, 'w')",
+        **PROC_ATTEMPTS,
+        "write inside": f"open({str(tmp_path / 'ok')!r}, 'w').close()",
+        "signal self": "os.kill(os.getpid(), 0)",
+        "read own proc": "open('/proc/self/status').read()",
+        "read a file": "open(os.__file__).read()",
+        "thread": "thread = threading.Thread(target=print)\nthread.start()\nthread.join()",
+    }
+    results = probe_layer(tmp_path, f"runner.confine_kernel({str(tmp_path)!r})", attempts)
+    refused = {name: value for name, value in results.items()
+               if name not in ("write inside", "signal self", "read own proc", "read a file",
+                               "thread")}
+    assert all(value in (errno.EPERM, errno.EACCES) for value in refused.values()), results
+    assert {results[name] for name in ("write inside", "signal self", "read own proc",
+                                       "read a file", "thread")} == {"allowed"}, results
     assert not os.path.exists(outside)
+
+
+def test_audit_hook_alone_refuses_proc_escapes(tmp_path):
+    """The audit hook on its own (kernels without Landlock): every /proc escape is refused, the
+    directory descriptors it needs included, while own /proc entries stay readable."""
+    attempts = {**PROC_ATTEMPTS, "open /": "os.open('/', os.O_RDONLY)",
+                "read own proc": "open('/proc/self/status').read()",
+                "dir_fd inside": "os.mkdir('d')\nos.close(os.open('d', os.O_RDONLY))"}
+    results = probe_layer(tmp_path, f"runner.install_guard({str(tmp_path)!r})", attempts)
+    assert results.pop("read own proc") == results.pop("dir_fd inside") == "allowed", results
+    assert set(results.values()) == {0}, results  # PermissionError raised by the hook

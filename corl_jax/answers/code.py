@@ -48,11 +48,14 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
+import hashlib
+import hmac
 import json
 import math
 import os
 import pickle
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -66,7 +69,7 @@ from pathlib import Path
 
 MAX_REPR_CHARS = 1024
 _RUNNER = Path(__file__).with_name("_sandbox_runner.py")
-_RESULTS_FILE = "results.jsonl"  # same name in the runner
+_KEY_BYTES = 32  # KEY_BYTES in the runner
 _START_UP_SECONDS = 2.0  # wall-clock allowance for the interpreter start on top of the calls
 _STDERR_SHOWN_BYTES = 4096
 _FENCE = re.compile(r"```(?:python)?\s*\n(.*?)```", re.DOTALL)
@@ -187,70 +190,80 @@ def _read_head(path: str, max_bytes: int) -> bytes:
         return b""
 
 
-def _parse_results(raw: bytes) -> tuple[dict | None, list[str]]:
-    """(kernel layers line, records): complete JSON lines up to the first malformed one (a kill
-    may cut the last); the layers line is None when the runner never finished its set-up."""
-    lines = raw.split(b"\n")[:-1]
-    try:
-        layers = json.loads(lines[0]) if lines else None
-    except ValueError:
-        layers = None
-    if not isinstance(layers, dict):
+def _tag(key: bytes, body: bytes) -> bytes:
+    return hashlib.blake2b(body, key=key, digest_size=16).hexdigest().encode()
+
+
+def _parse_results(raw: bytes, key: bytes) -> tuple[dict | None, list[str]]:
+    """(kernel layers, records) from the runner's lines `<seq> <hex> <tag>`, up to the first line
+    that is cut (a kill), out of sequence or not tagged with `key` (so written by the completion);
+    the layers are None when the runner never finished its set-up."""
+    texts = []
+    for seq, line in enumerate(raw.split(b"\n")[:-1]):
+        body, _, tag = line.rpartition(b" ")
+        number, _, payload = body.partition(b" ")
+        if number != b"%d" % seq or not hmac.compare_digest(tag, _tag(key, body)):
+            break
+        texts.append(bytes.fromhex(payload.decode("ascii")).decode("utf-8", "surrogatepass"))
+    if not texts:
         return None, []
-    records = []
-    for line in lines[1:]:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            break
-        if not isinstance(record, str):
-            break
-        records.append(record)
-    return layers, records
+    return json.loads(texts[0]), texts[1:]
 
 
 def _run_sandboxed(job: dict, n_records: int,
                    limits: SandboxLimits) -> tuple[dict, list[str]]:
     """Run one job in a fresh sandbox: (active kernel layers, exactly `n_records` records)."""
     wall = limits.wall_for(n_records)
-    job = {**job, "call_seconds": limits.call_seconds, "cpu_seconds": limits.cpu_for(n_records),
-           "memory_bytes": limits.memory_bytes,
-           "max_output_bytes": limits.max_output_bytes, "max_processes": limits.max_processes,
-           "max_repr_chars": MAX_REPR_CHARS,
-           "extra_sys_path": sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})}
+    key = secrets.token_bytes(_KEY_BYTES)
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="corl_sandbox_"))
-    try:
-        with open(os.path.join(workdir, "job.pkl"), "wb") as file:
-            pickle.dump(job, file)
-        stderr_path = os.path.join(workdir, "stderr.txt")
-        with open(stderr_path, "wb") as stderr:
-            child = subprocess.Popen(
-                [sys.executable, "-S", "-P", "-B", str(_RUNNER)], cwd=workdir,
-                env=_child_env(workdir), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                stderr=stderr, start_new_session=True)
+    # Records go to an unlinked file that the child holds only as an inherited descriptor.
+    with tempfile.TemporaryFile() as results:
+        job = {**job, "results_fd": results.fileno(), "call_seconds": limits.call_seconds,
+               "cpu_seconds": limits.cpu_for(n_records), "memory_bytes": limits.memory_bytes,
+               "max_output_bytes": limits.max_output_bytes,
+               "max_processes": limits.max_processes, "max_repr_chars": MAX_REPR_CHARS,
+               "extra_sys_path": sorted({sysconfig.get_path("purelib"),
+                                         sysconfig.get_path("platlib")})}
         try:
-            timed_out = not _wait_for_exit(child.pid, wall)
+            with open(os.path.join(workdir, "job.pkl"), "wb") as file:
+                pickle.dump(job, file)
+            stderr_path = os.path.join(workdir, "stderr.txt")
+            with open(stderr_path, "wb") as stderr:
+                child = subprocess.Popen(
+                    [sys.executable, "-S", "-P", "-B", str(_RUNNER)], cwd=workdir,
+                    env=_child_env(workdir), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=stderr, start_new_session=True, pass_fds=(results.fileno(),))
+            try:
+                try:  # read by the runner before any untrusted code runs
+                    child.stdin.write(key)
+                    child.stdin.flush()
+                except BrokenPipeError:  # the runner died at start: reported below
+                    pass
+                timed_out = not _wait_for_exit(child.pid, wall)
+            finally:
+                try:  # the child is not reaped yet, so its pid (= process group id) is still ours
+                    os.killpg(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    child.stdin.close()
+                except BrokenPipeError:
+                    pass
+                child.wait()
+            raw = os.pread(results.fileno(), limits.max_output_bytes, 0)
+            layers, records = _parse_results(raw, key)
+            if layers is None:
+                detail = _read_head(stderr_path, _STDERR_SHOWN_BYTES).decode("utf-8", "replace")
+                raise SandboxError(
+                    f"the sandbox runner did not start (exit status {child.returncode}, "
+                    f"timed out: {timed_out}); is memory_bytes={limits.memory_bytes} enough for "
+                    f"{sys.executable}? stderr:\n{detail}")
         finally:
-            try:  # the child is not reaped yet, so its pid (= process group id) is still ours
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.stdin.close()
-            child.wait()
-        layers, records = _parse_results(_read_head(os.path.join(workdir, _RESULTS_FILE),
-                                                    limits.max_output_bytes))
-        if layers is None:
-            detail = _read_head(stderr_path, _STDERR_SHOWN_BYTES).decode("utf-8", "replace")
-            raise SandboxError(
-                f"the sandbox runner did not start (exit status {child.returncode}, "
-                f"timed out: {timed_out}); is memory_bytes={limits.memory_bytes} enough for "
-                f"{sys.executable}? stderr:\n{detail}")
-        records = records[:n_records]
-        killed = timed_out or child.returncode in (-signal.SIGKILL, -signal.SIGXCPU)
-        missing = "<TIMEOUT>" if killed else "<ERR:SandboxExit>"
-        return layers, records + [missing] * (n_records - len(records))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(workdir, ignore_errors=True)
+    records = records[:n_records]
+    killed = timed_out or child.returncode in (-signal.SIGKILL, -signal.SIGXCPU)
+    missing = "<TIMEOUT>" if killed else "<ERR:SandboxExit>"
+    return layers, records + [missing] * (n_records - len(records))
 
 
 def run_outputs(code: str, func_name: str, call_inputs: Sequence[tuple], *,
