@@ -253,8 +253,8 @@ FORGES = {
     "print the marker": "import sys\nprint('<PASS>')\nprint('\"<PASS>\"', file=sys.__stdout__)",
     "old results file": "import os\nopen('results.jsonl', 'a').write('\"<PASS>\"\\n')\nos._exit(0)",
     "lines on every fd": """
-        import os
-        line = b"1 " + "<PASS>".encode().hex().encode() + b" " + b"0" * 32 + b"\\n"
+        import base64, os
+        line = b"1 " + base64.b64encode(b"<PASS>") + b" " + b"0" * 32 + b"\\n"
         for fd in range(64):
             try:
                 os.write(fd, line)
@@ -280,7 +280,7 @@ FORGES = {
         def check():
             Bomb()""",
     "patch the checker": """
-        import builtins, hashlib, json, os, __main__
+        import base64, binascii, builtins, hashlib, json, os, __main__
         __main__.marker = lambda exc: "<PASS>"
         __main__.run_tests = lambda job, record: record("<PASS>")
         json.dumps = lambda value: '"<PASS>"'
@@ -288,7 +288,8 @@ FORGES = {
         builtins.callable = lambda value: value is not None
         real_write = os.write
         os.write = lambda fd, data: real_write(fd, data.replace(
-            "<ERR:AssertionError>".encode().hex().encode(), "<PASS>".encode().hex().encode()))
+            base64.b64encode(b"<ERR:AssertionError>"), base64.b64encode(b"<PASS>")))
+        binascii.b2a_base64 = lambda data, newline=True: base64.b64encode(b"<PASS>")
         hashlib.blake2b = lambda *args, **kwargs: hashlib.sha256(b"")""",
     "raise from the timer": """
         import signal

@@ -13,7 +13,7 @@ the Python level (and works on any kernel); hide this module from `sys.modules`.
 completion's code is executed, mirroring the reference's in-process `run_outputs` /
 `passes_tests` (per-call SIGALRM timer, stdout swallowed, `sys.argv` neutralised).
 
-Records: one line each, `<seq> <hex of the UTF-8 text> <keyed BLAKE2b tag of "<seq> <hex>">`,
+Records: one line each, `<seq> <base64 of the UTF-8 text> <keyed BLAKE2b tag of the rest>`,
 appended as soon as known (a kill keeps those already written); record 0 is a JSON object saying
 which kernel layers are active. What reports a record after the completion has run uses only names
 bound before it ran: this module's globals (gone from `sys.modules`), a private copy of the
@@ -21,6 +21,7 @@ builtins, and module functions bound at import, so patching `builtins`, `os`, `j
 `__main__` does not change what is reported.
 """
 
+import binascii
 import builtins
 import ctypes
 import hashlib
@@ -42,6 +43,7 @@ import typing  # noqa: F401  pre-imported: the completion starts with `from typi
 __builtins__ = dict(vars(builtins))
 _write, _setitimer, _set_signal = os.write, signal.setitimer, signal.signal
 _blake2b, _sha256, _encode = hashlib.blake2b, hashlib.sha256, str.encode
+_base64 = binascii.b2a_base64
 _read, _exit, _SIGALRM, _ITIMER_REAL = os.read, os._exit, signal.SIGALRM, signal.ITIMER_REAL
 KEY_BYTES = 32  # same in corl_jax.answers.code
 
@@ -124,12 +126,13 @@ def read_key() -> bytes:
 
 
 def recorder(fd: int, key: bytes):
-    """`record(text)`: append one line `<seq> <hex> <tag>` to the results file; the tag is a keyed
-    BLAKE2b of `<seq> <hex>`, so a line the completion writes itself does not verify."""
+    """`record(text)`: append one line `<seq> <base64> <tag>` to the results file; the tag is a
+    keyed BLAKE2b of `<seq> <base64>`, so a line the completion writes itself does not verify."""
     next_seq = itertools.count().__next__
 
     def record(text: str):
-        body = b"%d %s" % (next_seq(), _encode(_encode(text, "utf-8", "surrogatepass").hex()))
+        payload = _base64(_encode(text, "utf-8", "surrogatepass"), newline=False)
+        body = b"%d %s" % (next_seq(), payload)
         tag = _blake2b(body, key=key, digest_size=16).hexdigest()
         _write(fd, b"%s %s\n" % (body, _encode(tag)))
 

@@ -18,23 +18,42 @@ happens in a sandbox, one child process per completion:
   to a size-capped file that is read with a bound; the child exits by itself if the parent dies
   (a trainer killed by SIGKILL leaves the working directories of in-flight sandboxes behind);
 * kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active):
-  no_new_privs; Landlock (writes only beneath the working directory, no TCP, and from ABI 6 no
-  signals to processes outside the sandbox); a seccomp filter (x86_64, aarch64) refusing fork,
-  vfork, non-thread clone, exec, socket, ptrace, process_vm_*, io_uring, unshare/setns/mount and
-  kill/tgkill of any pid but its own;
+  no_new_privs; Landlock (writes only beneath the working directory; reads anywhere except other
+  processes' /proc entries, so not the trainer's environ or cmdline by any path, `..` or dir_fd,
+  nor the listings of / and /proc; no TCP; from ABI 6 no signals to processes outside the
+  sandbox); a seccomp filter (x86_64, aarch64) refusing fork, vfork, non-thread clone, exec,
+  socket, ptrace, process_vm_*, io_uring, unshare/setns/mount and kill/tgkill of any pid but its
+  own;
 * an audit hook (`sys.addaudithook`) in the child that refuses the same escapes at the Python
   level on any kernel: fork/exec/spawn/subprocess, signals to other processes, sockets, ctypes
   symbol lookups and raw memory access, imports that bypass the hook (`_posixsubprocess`,
   subinterpreters, CPython test modules), writes outside the working directory, and reads of
-  other processes' /proc entries (e.g. the parent's environ, which Landlock does not cover).
+  other processes' /proc entries. `os.open`'s event does not show its dir_fd, so directory
+  descriptors may only be opened inside the working directory and relative `os.open` paths may
+  not contain `..`.
 
 Audit hooks are not a security boundary on their own (native code bypasses them, and the child
 runs as the trainer's user, root in CI, for which RLIMIT_NPROC does not count); they turn common
 escapes into ordinary `<ERR:PermissionError>` markers. The kernel-enforced parts are the process
-isolation, the rlimits, the group kill and, where active, Landlock and seccomp. Reading files is
-not restricted (the reference could read them too): keep secrets off disks readable by the
-trainer's user. Results travel back as JSON lines in the working directory, so determined code
-could forge its own records (it could in the reference).
+isolation, the rlimits, the group kill and, where active, Landlock and seccomp. Reading files
+other than /proc entries is not restricted (the reference could read them too): keep secrets off
+disks readable by the trainer's user.
+
+Records (threat model). The child writes its records to an unlinked temporary file it holds only
+as an inherited descriptor (nothing in the working directory; stdout and stderr are never read
+as results). Each line carries a sequence number and a keyed BLAKE2b tag; the 32-byte key is a
+fresh random per run, sent on stdin and read by the runner before any untrusted code starts, and
+the parent keeps only lines that verify, in sequence, up to the first that does not. So a
+completion cannot forge a record by printing, writing files or descriptors (it can read its own
+earlier lines, but not make new ones), exiting with any status (`os._exit(0)`, `SystemExit` from
+a test or a `__del__`: a missing record is a failure), or patching modules, builtins or
+`__main__` (the runner reports through names bound before the code ran). Not covered: the
+completion shares one interpreter with the runner and, in `passes_tests`, with its tests (as in
+the reference), so code that walks interpreter frames (`frame.f_back` raises no audit event) can
+reach the runner's reporting function, and code can rig the tests' semantics (results whose
+`__eq__` is always true, a patched `pytest.raises`, test functions replaced from a thread).
+Closing that would need the tests to run in a process the completion's code never runs in. The
+vote key (`run_outputs`) is the completion's own output, so it has nothing to forge.
 
 Differences from the reference, all in cases the reference could not survive or bound:
 prints are discarded instead of buffered; the per-call timer also covers `repr(result)`;
@@ -47,6 +66,7 @@ head plus a SHA-256 of the whole (equal outputs stay equal, keys stay small).
 from __future__ import annotations
 
 import ast
+import binascii
 import concurrent.futures
 import hashlib
 import hmac
@@ -195,16 +215,16 @@ def _tag(key: bytes, body: bytes) -> bytes:
 
 
 def _parse_results(raw: bytes, key: bytes) -> tuple[dict | None, list[str]]:
-    """(kernel layers, records) from the runner's lines `<seq> <hex> <tag>`, up to the first line
-    that is cut (a kill), out of sequence or not tagged with `key` (so written by the completion);
-    the layers are None when the runner never finished its set-up."""
+    """(kernel layers, records) from the runner's lines `<seq> <base64> <tag>`, up to the first
+    line that is cut (a kill), out of sequence or not tagged with `key` (so written by the
+    completion); the layers are None when the runner never finished its set-up."""
     texts = []
     for seq, line in enumerate(raw.split(b"\n")[:-1]):
         body, _, tag = line.rpartition(b" ")
         number, _, payload = body.partition(b" ")
         if number != b"%d" % seq or not hmac.compare_digest(tag, _tag(key, body)):
             break
-        texts.append(bytes.fromhex(payload.decode("ascii")).decode("utf-8", "surrogatepass"))
+        texts.append(binascii.a2b_base64(payload).decode("utf-8", "surrogatepass"))
     if not texts:
         return None, []
     return json.loads(texts[0]), texts[1:]
