@@ -1,8 +1,8 @@
 """Wall-clock cost of one code-sandbox call on this machine (host CPU only, no accelerator).
 
-Times `run_outputs` (4 inputs, the vote path), `passes_tests` without and with the pytest preload
-(the GT path), and `sandbox_confinement`, each run sequentially `--repeats` times; prints and saves
-the median and mean seconds per call with the active kernel layers.
+Times `run_outputs` (4 inputs, the vote path) and `passes_tests` without and with the pytest
+preload (the GT path), each run sequentially `--repeats` times; prints and saves the median and
+mean seconds per call with the kernel layers active (`sandbox_confinement`).
 
     PYTHONPATH=. python experiments/bench_sandbox.py [--repeats 20] [--out experiments/results/bench_sandbox.json]
 """

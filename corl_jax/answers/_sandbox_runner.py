@@ -4,10 +4,10 @@ by the trainer.
 Started by the parent in a fresh working directory holding `job.pkl` (written by the parent, so
 trusted), with a record key waiting on stdin and the write end of an unlinked results file at
 `job["results_fd"]`. Before any untrusted code runs, in this order: read the key (the pipe is then
-empty); read the job; confine the process in the kernel where the kernel allows it (no_new_privs;
-Landlock: file-system writes only beneath the working directory, no reads of other processes'
-/proc entries, no TCP, no signals to processes outside the sandbox; seccomp: no fork/exec/socket/
-ptrace, no kill of other pids); start a watchdog that exits when the parent goes away (stdin
+empty); read the job; confine the process in the kernel where the kernel allows it (a new PID
+namespace with its own /proc; no_new_privs; Landlock: file-system writes only beneath the working
+directory, no reads of other processes' /proc entries, no TCP, no signals to processes outside
+the sandbox; seccomp: no fork/exec/socket/ptrace, no kill of other pids); start a watchdog that exits when the parent goes away (stdin
 reaches EOF); lower the resource limits; install an audit hook that refuses the same escapes at
 the Python level (and works on any kernel); hide this module from `sys.modules`. Then the
 completion's code is executed, mirroring the reference's in-process `run_outputs` /
@@ -157,6 +157,8 @@ _LANDLOCK_READ_RIGHTS = (1 << 2) | (1 << 3)  # READ_FILE, READ_DIR
 # rights a rule on a non-directory may carry: EXECUTE, WRITE_FILE, READ_FILE, TRUNCATE, IOCTL_DEV
 _LANDLOCK_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15)
 _CLONE_THREAD = 0x10000
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
 # machine -> (AUDIT_ARCH, clone, clone3, kill, tgkill, refused syscalls: fork, vfork, execve,
 # execveat, ptrace, process_vm_readv/writev, tkill, pidfd_send_signal, pidfd_getfd, socket,
 # io_uring_setup, unshare, setns, mount)
@@ -301,12 +303,35 @@ def install_seccomp(libc) -> bool:
     return True
 
 
+def enter_pid_namespace(libc, new_user_namespace: bool) -> bool:
+    """Go on as pid 1 of a new PID namespace with its own /proc, where no other process exists;
+    the calling process stays behind only to wait for it and exit alike (a SIGKILL or SIGXCPU
+    death as a SIGKILL). Unprivileged users need a user namespace too. False where the kernel or
+    the user's rights do not allow it (nothing changed, or only a private mount namespace)."""
+    flags = _CLONE_NEWPID | _CLONE_NEWNS | (_CLONE_NEWUSER if new_user_namespace else 0)
+    if libc.unshare(ctypes.c_int(flags)) != 0:
+        return False
+    # private first, so that the /proc mount below stays in this namespace
+    if libc.mount(None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None) != 0:
+        return False
+    pid = os.fork()  # no threads exist yet
+    if pid:
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code in (-signal.SIGKILL, -signal.SIGXCPU):
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(code if code >= 0 else 128 - code)
+    return libc.mount(b"proc", b"/proc", b"proc",
+                      ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), None) == 0
+
+
 def confine_kernel(workdir: str) -> dict:
     """Kernel-enforced layers for this process and its future threads; what is active."""
     libc = _libc()
+    pid_namespace = enter_pid_namespace(libc, new_user_namespace=os.geteuid() != 0)
     _checked(libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0),
                         ctypes.c_ulong(0), ctypes.c_ulong(0)))
-    return {"landlock_abi": restrict_landlock(libc, workdir), "seccomp": install_seccomp(libc)}
+    return {"pid_namespace": pid_namespace, "landlock_abi": restrict_landlock(libc, workdir),
+            "seccomp": install_seccomp(libc)}
 
 
 # ------------------------------------------------------------------------------ Python layers

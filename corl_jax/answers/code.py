@@ -18,6 +18,8 @@ happens in a sandbox, one child process per completion:
   to a size-capped file that is read with a bound; the child exits by itself if the parent dies
   (a trainer killed by SIGKILL leaves the working directories of in-flight sandboxes behind);
 * kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active):
+  a new PID namespace with its own /proc mount (as root, or with a user namespace where
+  unprivileged ones are allowed), in which no other process, the trainer included, exists;
   no_new_privs; Landlock (writes only beneath the working directory; reads anywhere except other
   processes' /proc entries, so not the trainer's environ or cmdline by any path, `..` or dir_fd,
   nor the listings of / and /proc; no TCP; from ABI 6 no signals to processes outside the
@@ -337,8 +339,9 @@ def passes_tests(text: str, test_code: str, *, limits: SandboxLimits = TEST_LIMI
 
 
 def sandbox_confinement(limits: SandboxLimits = VOTE_LIMITS) -> dict:
-    """The kernel layers a sandbox gets on this machine, e.g. {"landlock_abi": 7, "seccomp": True}
-    (0 / False where the kernel lacks them and only the audit hook and rlimits remain)."""
+    """The kernel layers a sandbox gets on this machine, e.g. {"pid_namespace": True,
+    "landlock_abi": 7, "seccomp": True} (False / 0 where the kernel or the user's rights lack
+    them and only the audit hook and rlimits remain)."""
     job = {"mode": "calls", "code": "", "func_name": "", "inputs": [], "preload": []}
     return _run_sandboxed(job, 0, limits)[0]
 
