@@ -2,16 +2,17 @@
 by the trainer.
 
 Started by the parent in a fresh working directory holding `job.pkl` (written by the parent, so
-trusted), with a record key waiting on stdin and the write end of an unlinked results file at
+trusted), with a record key waiting on stdin and a descriptor of an unlinked results file at
 `job["results_fd"]`. Before any untrusted code runs, in this order: read the key (the pipe is then
 empty); read the job; confine the process in the kernel where the kernel allows it (a new PID
 namespace with its own /proc; no_new_privs; Landlock: file-system writes only beneath the working
 directory, no reads of other processes' /proc entries, no TCP, no signals to processes outside
-the sandbox; seccomp: no fork/exec/socket/ptrace, no kill of other pids); start a watchdog that exits when the parent goes away (stdin
-reaches EOF); lower the resource limits; install an audit hook that refuses the same escapes at
-the Python level (and works on any kernel); hide this module from `sys.modules`. Then the
-completion's code is executed, mirroring the reference's in-process `run_outputs` /
-`passes_tests` (per-call SIGALRM timer, stdout swallowed, `sys.argv` neutralised).
+the sandbox; seccomp: no fork/exec/socket/ptrace, no mount changes, no kill of other pids);
+start a watchdog that exits when the parent goes away (stdin reaches EOF); lower the resource
+limits; install an audit hook that refuses the same escapes at the Python level (and works on any
+kernel); hide this module from `sys.modules`. Then the completion's code is executed, mirroring
+the reference's in-process `run_outputs` / `passes_tests` (per-call SIGALRM timer, stdout
+swallowed, `sys.argv` neutralised).
 
 Records: one line each, `<seq> <base64 of the UTF-8 text> <keyed BLAKE2b tag of the rest>`,
 appended as soon as known (a kill keeps those already written); record 0 is a JSON object saying
@@ -161,12 +162,17 @@ _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
 # machine -> (AUDIT_ARCH, clone, clone3, kill, tgkill, refused syscalls: fork, vfork, execve,
 # execveat, ptrace, process_vm_readv/writev, tkill, pidfd_send_signal, pidfd_getfd, socket,
-# io_uring_setup, unshare, setns, mount)
+# io_uring_setup, unshare, setns, mount, umount2, pivot_root, chroot, open_by_handle_at; then the
+# new mount API, numbered alike on both: open_tree, move_mount, fsopen, fsmount, fspick,
+# mount_setattr). No mount changes keeps the PID namespace's own /proc in place.
+_NEW_MOUNT_API = (428, 429, 430, 432, 433, 442)
 _SECCOMP_TABLES = {
     "x86_64": (0xC000003E, 56, 435, 62, 234,
-               (57, 58, 59, 322, 101, 310, 311, 200, 424, 438, 41, 425, 272, 308, 165)),
+               (57, 58, 59, 322, 101, 310, 311, 200, 424, 438, 41, 425, 272, 308, 165, 166, 155,
+                161, 304) + _NEW_MOUNT_API),
     "aarch64": (0xC00000B7, 220, 435, 129, 131,
-                (221, 281, 117, 270, 271, 130, 424, 438, 198, 425, 97, 268, 40)),
+                (221, 281, 117, 270, 271, 130, 424, 438, 198, 425, 97, 268, 40, 39, 41, 51, 265)
+                + _NEW_MOUNT_API),
 }
 
 

@@ -24,8 +24,8 @@ happens in a sandbox, one child process per completion:
   processes' /proc entries, so not the trainer's environ or cmdline by any path, `..` or dir_fd,
   nor the listings of / and /proc; no TCP; from ABI 6 no signals to processes outside the
   sandbox); a seccomp filter (x86_64, aarch64) refusing fork, vfork, non-thread clone, exec,
-  socket, ptrace, process_vm_*, io_uring, unshare/setns/mount and kill/tgkill of any pid but its
-  own;
+  socket, ptrace, process_vm_*, io_uring, unshare/setns, mount changes (so the PID namespace's
+  /proc stays in place), chroot, open_by_handle_at and kill/tgkill of any pid but its own;
 * an audit hook (`sys.addaudithook`) in the child that refuses the same escapes at the Python
   level on any kernel: fork/exec/spawn/subprocess, signals to other processes, sockets, ctypes
   symbol lookups and raw memory access, imports that bypass the hook (`_posixsubprocess`,
