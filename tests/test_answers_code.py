@@ -593,3 +593,21 @@ def test_each_layer_alone_hides_other_processes(tmp_path, layer):
         pytest.skip(f"{layer} is not available here")
     assert results.pop("read own proc") == results.pop("dir_fd inside") == "allowed", results
     assert "allowed" not in results.values(), results
+
+
+def test_pid_namespace_falls_back_in_place_when_proc_cannot_be_mounted(tmp_path):
+    """Where a fresh /proc cannot be mounted, the runner goes on as the calling process (its pid
+    matching /proc), not as a pid 1 that would see other processes' entries under its own pid."""
+    setup = textwrap.dedent("""
+        real, pid_before = runner._libc(), os.getpid()
+        class NoProcMount:
+            unshare = real.unshare
+            def mount(self, source, *args):
+                return -1 if source == b"proc" else real.mount(source, *args)
+        entered = runner.enter_pid_namespace(NoProcMount(), False)
+    """)
+    attempts = {"not entered": "assert not entered",
+                "same process": "assert os.getpid() == pid_before != 1",
+                "own proc": "assert f'Pid:\\t{os.getpid()}' in open('/proc/self/status').read()"}
+    results = probe_layer(tmp_path, setup, attempts)
+    assert set(results.values()) == {"allowed"}, results

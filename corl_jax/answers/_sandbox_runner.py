@@ -313,21 +313,32 @@ def enter_pid_namespace(libc, new_user_namespace: bool) -> bool:
     """Go on as pid 1 of a new PID namespace with its own /proc, where no other process exists;
     the calling process stays behind only to wait for it and exit alike (a SIGKILL or SIGXCPU
     death as a SIGKILL). Unprivileged users need a user namespace too. False where the kernel or
-    the user's rights do not allow it (nothing changed, or only a private mount namespace)."""
+    the user's rights do not allow it: the calling process goes on, its pid and /proc unchanged."""
     flags = _CLONE_NEWPID | _CLONE_NEWNS | (_CLONE_NEWUSER if new_user_namespace else 0)
     if libc.unshare(ctypes.c_int(flags)) != 0:
         return False
     # private first, so that the /proc mount below stays in this namespace
     if libc.mount(None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None) != 0:
         return False
+    ready_read, ready_write = os.pipe()
     pid = os.fork()  # no threads exist yet
-    if pid:
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        if code in (-signal.SIGKILL, -signal.SIGXCPU):
-            os.kill(os.getpid(), signal.SIGKILL)
-        os._exit(code if code >= 0 else 128 - code)
-    return libc.mount(b"proc", b"/proc", b"proc",
-                      ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), None) == 0
+    if pid == 0:
+        os.close(ready_read)
+        if libc.mount(b"proc", b"/proc", b"proc",
+                      ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), None) != 0:
+            os._exit(0)  # a /proc showing other pids under our own: the caller goes on instead
+        os.write(ready_write, b"1")
+        os.close(ready_write)
+        return True
+    os.close(ready_write)
+    ready = os.read(ready_read, 1)
+    os.close(ready_read)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if not ready:
+        return False
+    if code in (-signal.SIGKILL, -signal.SIGXCPU):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(code if code >= 0 else 128 - code)
 
 
 def confine_kernel(workdir: str) -> dict:
