@@ -309,10 +309,17 @@ def install_seccomp(libc) -> bool:
     return True
 
 
+def kill_quietly(pidfd: int):
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def enter_pid_namespace(libc, new_user_namespace: bool) -> bool:
     """Go on as pid 1 of a new PID namespace with its own /proc, where no other process exists;
-    the calling process stays behind only to wait for it and exit alike (a SIGKILL or SIGXCPU
-    death as a SIGKILL). Unprivileged users need a user namespace too. False where the kernel or
+    the calling process stays behind only to wait for it, kill it on SIGTERM, and exit alike (a
+    SIGKILL or SIGXCPU death as a SIGKILL). Unprivileged users need a user namespace too. False where the kernel or
     the user's rights do not allow it: the calling process goes on, its pid and /proc unchanged."""
     flags = _CLONE_NEWPID | _CLONE_NEWNS | (_CLONE_NEWUSER if new_user_namespace else 0)
     if libc.unshare(ctypes.c_int(flags)) != 0:
@@ -331,6 +338,10 @@ def enter_pid_namespace(libc, new_user_namespace: bool) -> bool:
         os.close(ready_write)
         return True
     os.close(ready_write)
+    # The parent's SIGTERM (its wall limit): kill pid 1 here and reap it, leaving no orphan for
+    # init (or a trainer running as a container's pid 1) to reap. A pidfd cannot hit a reused pid.
+    child = os.pidfd_open(pid)
+    signal.signal(signal.SIGTERM, lambda signum, frame: kill_quietly(child))
     ready = os.read(ready_read, 1)
     os.close(ready_read)
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
