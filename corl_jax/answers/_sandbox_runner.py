@@ -319,8 +319,9 @@ def kill_quietly(pidfd: int):
 def enter_pid_namespace(libc, new_user_namespace: bool) -> bool:
     """Go on as pid 1 of a new PID namespace with its own /proc, where no other process exists;
     the calling process stays behind only to wait for it, kill it on SIGTERM, and exit alike (a
-    SIGKILL or SIGXCPU death as a SIGKILL). Unprivileged users need a user namespace too. False where the kernel or
-    the user's rights do not allow it: the calling process goes on, its pid and /proc unchanged."""
+    SIGKILL or SIGXCPU death as a SIGKILL). Unprivileged users need a user namespace too. False
+    where the kernel or the user's rights do not allow it: the calling process goes on, its pid
+    and /proc unchanged."""
     flags = _CLONE_NEWPID | _CLONE_NEWNS | (_CLONE_NEWUSER if new_user_namespace else 0)
     if libc.unshare(ctypes.c_int(flags)) != 0:
         return False
