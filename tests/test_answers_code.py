@@ -624,7 +624,8 @@ def test_pid_namespace_falls_back_in_place_when_proc_cannot_be_mounted(tmp_path)
     """)
     attempts = {"not entered": "assert not entered",
                 "same process": "assert os.getpid() == pid_before != 1",
-                "own proc": "assert f'Pid:\\t{os.getpid()}' in open('/proc/self/status').read()"}
+                "own proc": "assert f'Pid:\\t{os.getpid()}' in open('/proc/self/status').read()",
+                "SIGTERM kills": "import signal\nassert signal.getsignal(signal.SIGTERM) == 0"}
     results = probe_layer(tmp_path, setup, attempts)
     assert set(results.values()) == {"allowed"}, results
 

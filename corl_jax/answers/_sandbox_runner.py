@@ -346,7 +346,9 @@ def enter_pid_namespace(libc, new_user_namespace: bool) -> bool:
     ready = os.read(ready_read, 1)
     os.close(ready_read)
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    if not ready:
+    os.close(child)
+    if not ready and code == 0:  # it could not mount /proc
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return False
     if code in (-signal.SIGKILL, -signal.SIGXCPU):
         os.kill(os.getpid(), signal.SIGKILL)
