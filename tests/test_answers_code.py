@@ -463,6 +463,32 @@ def test_other_processes_proc_entries_are_unreadable(name):
     assert run_one(f"import os\ndef f():\n    return {expression}") == "<ERR:PermissionError>"
 
 
+@pytest.fixture
+def without_landlock(tmp_path, monkeypatch):
+    """The sandbox as on a kernel without Landlock: a copy of the runner whose Landlock syscall
+    numbers do not exist (ENOSYS), so a PID namespace and the audit hook guard /proc."""
+    source = RUNNER.read_text()
+    numbers = ("_LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = "
+               "444, 445, 446")
+    assert numbers in source
+    runner = tmp_path / RUNNER.name
+    runner.write_text(source.replace(numbers, numbers.replace("444, 445, 446", "-1, -1, -1")))
+    monkeypatch.setattr(code_answers, "_RUNNER", runner)
+    layers = sandbox_confinement(FAST)
+    assert layers["landlock_abi"] == 0
+    if not layers["pid_namespace"]:
+        pytest.skip("no PID namespace for this user here")
+
+
+def test_without_landlock_a_pid_namespace_hides_other_processes(without_landlock):
+    source = ("import os\ndef f():\n"
+              "    return os.getpid(), [e for e in os.listdir('/proc') if e.isdigit()]")
+    assert run_one(source) == "(1, ['1'])"
+    for name, expression in PROC_ESCAPES.items():
+        attack = f"import os\ndef f():\n    return {expression.format(pid=os.getpid())}"
+        assert run_one(attack) == "<ERR:PermissionError>", name
+
+
 def test_own_proc_entries_and_ordinary_files_stay_readable():
     source = """
     import os, sys
@@ -630,7 +656,7 @@ def test_pid_namespace_falls_back_in_place_when_proc_cannot_be_mounted(tmp_path)
     assert set(results.values()) == {"allowed"}, results
 
 
-def test_a_sandbox_killed_at_its_wall_limit_leaves_no_orphan():
+def test_a_sandbox_killed_at_its_wall_limit_leaves_no_orphan(without_landlock):
     """The pid 1 of the sandbox's PID namespace is killed and reaped by the runner's waiting half,
     not orphaned to init (a trainer that is a container's pid 1 would collect it as a zombie).
     This process becomes the subreaper for the test, so an orphan would show as its child."""

@@ -4,14 +4,14 @@ by the trainer.
 Started by the parent in a fresh working directory holding `job.pkl` (written by the parent, so
 trusted), with a record key waiting on stdin and a descriptor of an unlinked results file at
 `job["results_fd"]`. Before any untrusted code runs, in this order: read the key (the pipe is then
-empty); read the job; confine the process in the kernel where the kernel allows it (a new PID
-namespace with its own /proc; no_new_privs; Landlock: file-system writes only beneath the working
-directory, no reads of other processes' /proc entries, no TCP, no signals to processes outside
-the sandbox; seccomp: no fork/exec/socket/ptrace, no mount changes, no kill of other pids);
-start a watchdog that exits when the parent goes away (stdin reaches EOF); lower the resource
-limits; install an audit hook that refuses the same escapes at the Python level (and works on any
-kernel); hide this module from `sys.modules`. Then the completion's code is executed, mirroring
-the reference's in-process `run_outputs` / `passes_tests` (per-call SIGALRM timer, stdout
+empty); read the job; confine the process in the kernel where the kernel allows it (without
+Landlock, a new PID namespace with its own /proc; no_new_privs; Landlock: file-system writes only
+beneath the working directory, no reads of other processes' /proc entries, no TCP, no signals to
+processes outside the sandbox; seccomp: no fork/exec/socket/ptrace, no mount changes, no kill of
+other pids); start a watchdog that exits when the parent goes away (stdin reaches EOF); lower the
+resource limits; install an audit hook that refuses the same escapes at the Python level (and works
+on any kernel); hide this module from `sys.modules`. Then the completion's code is executed,
+mirroring the reference's in-process `run_outputs` / `passes_tests` (per-call SIGALRM timer, stdout
 swallowed, `sys.argv` neutralised).
 
 Records: one line each, `<seq> <base64 of the UTF-8 text> <keyed BLAKE2b tag of the rest>`,
@@ -216,6 +216,12 @@ def landlock_write_rights(abi: int) -> int:
     return rights | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
 
 
+def landlock_abi(libc) -> int:
+    """The kernel's Landlock ABI version; 0 or less where Landlock is missing or disabled."""
+    return libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), None, ctypes.c_long(0),
+                        ctypes.c_long(_LANDLOCK_CREATE_RULESET_VERSION))
+
+
 def readable_roots(own_pid: int) -> list[str]:
     """Every entry of / but /proc, and of /proc every entry but other processes' directories."""
     roots = [os.path.join("/", name) for name in os.listdir("/") if name != "proc"]
@@ -247,8 +253,7 @@ def restrict_landlock(libc, workdir: str) -> int:
     """Writes only beneath `workdir`; reads anywhere but other processes' /proc entries (and the
     listings of / and /proc); no TCP (ABI 4); no signals or abstract unix sockets to processes
     outside the sandbox (ABI 6). Returns the ABI used, 0 where Landlock is missing."""
-    abi = libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), None, ctypes.c_long(0),
-                       ctypes.c_long(_LANDLOCK_CREATE_RULESET_VERSION))
+    abi = landlock_abi(libc)
     if abi < 1:
         return 0
     write, read = landlock_write_rights(abi), _LANDLOCK_READ_RIGHTS
@@ -358,7 +363,10 @@ def enter_pid_namespace(libc, new_user_namespace: bool) -> bool:
 def confine_kernel(workdir: str) -> dict:
     """Kernel-enforced layers for this process and its future threads; what is active."""
     libc = _libc()
-    pid_namespace = enter_pid_namespace(libc, new_user_namespace=os.geteuid() != 0)
+    # Landlock keeps other processes' /proc entries unreadable; where it is missing, a PID
+    # namespace does (at the price of a fork and a namespace teardown, ~5 ms per sandbox).
+    pid_namespace = landlock_abi(libc) < 1 and enter_pid_namespace(
+        libc, new_user_namespace=os.geteuid() != 0)
     _checked(libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0),
                         ctypes.c_ulong(0), ctypes.c_ulong(0)))
     return {"pid_namespace": pid_namespace, "landlock_abi": restrict_landlock(libc, workdir),

@@ -19,15 +19,15 @@ happens in a sandbox, one child process per completion:
   wall limit plus that second; stdout goes to /dev/null, stderr to a size-capped file that is
   read with a bound; the child exits by itself if the parent dies (a trainer killed by SIGKILL
   leaves the working directories of in-flight sandboxes behind);
-* kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active):
-  a new PID namespace with its own /proc mount (as root, or with a user namespace where
-  unprivileged ones are allowed), in which no other process, the trainer included, exists;
-  no_new_privs; Landlock (writes only beneath the working directory; reads anywhere except other
-  processes' /proc entries, so not the trainer's environ or cmdline by any path, `..` or dir_fd,
-  nor the listings of / and /proc; no TCP; from ABI 6 no signals to processes outside the
-  sandbox); a seccomp filter (x86_64, aarch64) refusing fork, vfork, non-thread clone, exec,
-  socket, ptrace, process_vm_*, io_uring, unshare/setns, mount changes (so the PID namespace's
-  /proc stays in place), chroot, open_by_handle_at and kill/tgkill of any pid but its own;
+* kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active): where
+  Landlock is missing, a new PID namespace with its own /proc mount (as root, or with a user
+  namespace where unprivileged ones are allowed), in which no other process, the trainer included,
+  exists; no_new_privs; Landlock (writes only beneath the working directory; reads anywhere except
+  other processes' /proc entries, so not the trainer's environ or cmdline by any path, `..` or
+  dir_fd, nor the listings of / and /proc; no TCP; from ABI 6 no signals to processes outside the
+  sandbox); a seccomp filter (x86_64, aarch64) refusing fork, vfork, non-thread clone, exec, socket,
+  ptrace, process_vm_*, io_uring, unshare/setns, mount changes (so the PID namespace's /proc stays
+  in place), chroot, open_by_handle_at and kill/tgkill of any pid but its own;
 * an audit hook (`sys.addaudithook`) in the child that refuses the same escapes at the Python
   level on any kernel: fork/exec/spawn/subprocess, signals to other processes, sockets, ctypes
   symbol lookups and raw memory access, imports that bypass the hook (`_posixsubprocess`,
@@ -345,9 +345,10 @@ def passes_tests(text: str, test_code: str, *, limits: SandboxLimits = TEST_LIMI
 
 
 def sandbox_confinement(limits: SandboxLimits = VOTE_LIMITS) -> dict:
-    """The kernel layers a sandbox gets on this machine, e.g. {"pid_namespace": True,
-    "landlock_abi": 7, "seccomp": True} (False / 0 where the kernel or the user's rights lack
-    them and only the audit hook and rlimits remain)."""
+    """The kernel layers a sandbox gets on this machine, e.g. {"pid_namespace": False,
+    "landlock_abi": 7, "seccomp": True} (a PID namespace only where Landlock is missing; False /
+    0 where the kernel or the user's rights lack them and only the audit hook and rlimits
+    remain)."""
     job = {"mode": "calls", "code": "", "func_name": "", "inputs": [], "preload": []}
     return _run_sandboxed(job, 0, limits)[0]
 
