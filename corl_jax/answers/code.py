@@ -12,13 +12,13 @@ happens in a sandbox, one child process per completion:
 * resource limits set by the runner before the code runs (hard = soft, except CPU: SIGXCPU then
   SIGKILL): CPU time, address space, file size (also caps the child's stderr and result files),
   open files, no core dumps, process count (RLIMIT_NPROC binds only non-root users);
-* its own session (`start_new_session`): after the wall-clock limit the child gets SIGTERM (in a
-  PID namespace its waiting half then kills and reaps pid 1, leaving no orphan to init) and up to
-  a second; then, as on any return, the whole process group is SIGKILLed while the child is still
-  unreaped (no pid reuse race); the parent waits on a pidfd, so it never blocks longer than the
-  wall limit plus that second; stdout goes to /dev/null, stderr to a size-capped file that is
-  read with a bound; the child exits by itself if the parent dies (a trainer killed by SIGKILL
-  leaves the working directories of in-flight sandboxes behind);
+* its own session (`start_new_session`): on return, or after the wall-clock limit, the whole
+  process group is SIGKILLed while the child is still unreaped (no pid reuse race); in a PID
+  namespace the child first gets SIGTERM and up to a second, so that its waiting half kills and
+  reaps the namespace's pid 1, leaving no orphan to init; the parent waits on a pidfd, so it never
+  blocks longer than the wall limit (plus that second); stdout goes to /dev/null, stderr to a
+  size-capped file that is read with a bound; the child exits by itself if the parent dies (a
+  trainer killed by SIGKILL leaves the working directories of in-flight sandboxes behind);
 * kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active): where
   Landlock is missing, a new PID namespace with its own /proc mount (as root, or with a user
   namespace where unprivileged ones are allowed), in which no other process, the trainer included,
@@ -96,6 +96,7 @@ _RUNNER = Path(__file__).with_name("_sandbox_runner.py")
 _KEY_BYTES = 32  # KEY_BYTES in the runner
 _START_UP_SECONDS = 2.0  # wall-clock allowance for the interpreter start on top of the calls
 _TERM_GRACE_SECONDS = 1.0  # after the wall limit: SIGTERM, then this long before SIGKILL
+_LAYERS_BYTES = 4096  # record 0 (the kernel layers) fits
 _STDERR_SHOWN_BYTES = 4096
 _FENCE = re.compile(r"```(?:python)?\s*\n(.*?)```", re.DOTALL)
 
@@ -235,6 +236,12 @@ def _parse_results(raw: bytes, key: bytes) -> tuple[dict | None, list[str]]:
     return json.loads(texts[0]), texts[1:]
 
 
+def _in_pid_namespace(results_fd: int, key: bytes) -> bool:
+    """Whether the runner reported (record 0) that it went on in a PID namespace."""
+    layers, _ = _parse_results(os.pread(results_fd, _LAYERS_BYTES, 0), key)
+    return bool(layers and layers.get("pid_namespace"))
+
+
 def _run_sandboxed(job: dict, n_records: int,
                    limits: SandboxLimits) -> tuple[dict, list[str]]:
     """Run one job in a fresh sandbox: (active kernel layers, exactly `n_records` records)."""
@@ -265,8 +272,8 @@ def _run_sandboxed(job: dict, n_records: int,
                 except BrokenPipeError:  # the runner died at start: reported below
                     pass
                 timed_out = not _wait_for_exit(child.pid, wall)
-                if timed_out:  # the runner's waiting half kills and reaps its namespace's pid 1
-                    child.terminate()
+                if timed_out and _in_pid_namespace(results.fileno(), key):
+                    child.terminate()  # its waiting half kills and reaps the namespace's pid 1
                     _wait_for_exit(child.pid, _TERM_GRACE_SECONDS)
             finally:
                 try:  # the child is not reaped yet, so its pid (= process group id) is still ours
