@@ -315,6 +315,24 @@ FORGES = {
 }
 
 
+def test_erasing_its_records_is_a_failure_not_a_sandbox_error():
+    source = """
+    import os
+    def f():
+        for fd in range(3, 64):
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+        return 1
+    """
+    assert run_outputs(textwrap.dedent(source), "f", [(), ()], limits=FAST) == [
+        "<ERR:SandboxExit>"] * 2  # the second call erased the first's record, the runner's write
+    # of its own then follows a hole: neither verifies
+    # in passes_tests nothing is recorded before the verdict, so there is nothing to erase
+    assert passes_tests(fenced(source), "def test_x():\n    assert f() == 1", limits=FAST)
+
+
 @pytest.mark.parametrize("name", FORGES)
 def test_a_failing_completion_cannot_forge_a_pass(name):
     forge = textwrap.dedent(FORGES[name]).strip()

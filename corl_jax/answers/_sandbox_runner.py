@@ -2,24 +2,25 @@
 by the trainer.
 
 Started by the parent in a fresh working directory holding `job.pkl` (written by the parent, so
-trusted), with a record key waiting on stdin and a descriptor of an unlinked results file at
-`job["results_fd"]`. Before any untrusted code runs, in this order: read the key (the pipe is then
-empty); read the job; confine the process in the kernel where the kernel allows it (without
-Landlock, a new PID namespace with its own /proc; no_new_privs; Landlock: file-system writes only
-beneath the working directory, no reads of other processes' /proc entries, no TCP, no signals to
-processes outside the sandbox; seccomp: no fork/exec/socket/ptrace, no mount changes, no kill of
-other pids); start a watchdog that exits when the parent goes away (stdin reaches EOF); lower the
-resource limits; install an audit hook that refuses the same escapes at the Python level (and works
-on any kernel); hide this module from `sys.modules`. Then the completion's code is executed,
-mirroring the reference's in-process `run_outputs` / `passes_tests` (per-call SIGALRM timer, stdout
-swallowed, `sys.argv` neutralised).
+trusted), with a record key waiting on stdin and descriptors of two unlinked files, for set-up and
+results, at `job["setup_fd"]` and `job["results_fd"]`. Before any untrusted code runs, in this
+order: read the key (the pipe is then empty); read the job; confine the process in the kernel where
+the kernel allows it (without Landlock, a new PID namespace with its own /proc; no_new_privs;
+Landlock: file-system writes only beneath the working directory, no reads of other processes' /proc
+entries, no TCP, no signals to processes outside the sandbox; seccomp: no fork/exec/socket/ptrace,
+no mount changes, no kill of other pids); start a watchdog that exits when the parent goes away
+(stdin reaches EOF); lower the resource limits; install an audit hook that refuses the same escapes
+at the Python level (and works on any kernel); hide this module from `sys.modules`. Then the
+completion's code is executed, mirroring the reference's in-process `run_outputs` / `passes_tests`
+(per-call SIGALRM timer, stdout swallowed, `sys.argv` neutralised).
 
-Records: one line each, `<seq> <base64 of the UTF-8 text> <keyed BLAKE2b tag of the rest>`,
-appended as soon as known (a kill keeps those already written); record 0 is a JSON object saying
-which kernel layers are active. What reports a record after the completion has run uses only names
-bound before it ran: this module's globals (gone from `sys.modules`), a private copy of the
-builtins, and module functions bound at import, so patching `builtins`, `os`, `json`, `hashlib` or
-`__main__` does not change what is reported.
+Records: one line each, `<seq> <base64 of the UTF-8 text> <keyed BLAKE2b tag of the rest>`, appended
+as soon as known (a kill keeps those already written); record 0, alone in the set-up file whose
+descriptor is closed before the completion runs, is a JSON object saying which kernel layers are
+active. What reports a record after the completion has run uses only names bound before it ran: this
+module's globals (gone from `sys.modules`), a private copy of the builtins, and module functions
+bound at import, so patching `builtins`, `os`, `json`, `hashlib` or `__main__` does not change what
+is reported.
 """
 
 import binascii
@@ -126,10 +127,10 @@ def read_key() -> bytes:
     return key
 
 
-def recorder(fd: int, key: bytes):
-    """`record(text)`: append one line `<seq> <base64> <tag>` to the results file; the tag is a
-    keyed BLAKE2b of `<seq> <base64>`, so a line the completion writes itself does not verify."""
-    next_seq = itertools.count().__next__
+def recorder(fd: int, key: bytes, first_seq: int):
+    """`record(text)`: append one line `<seq> <base64> <tag>` to `fd`; the tag is a keyed BLAKE2b
+    of `<seq> <base64>`, so a line the completion writes itself does not verify."""
+    next_seq = itertools.count(first_seq).__next__
 
     def record(text: str):
         payload = _base64(_encode(text, "utf-8", "surrogatepass"), newline=False)
@@ -506,8 +507,6 @@ def main():
     key = read_key()
     with open("job.pkl", "rb") as file:
         job = pickle.load(file)
-    record = recorder(job["results_fd"], key)
-    del key
     workdir = os.path.realpath(os.getcwd())
     layers = confine_kernel(workdir)
     threading.Thread(target=exit_when_parent_gone, daemon=True).start()
@@ -518,7 +517,11 @@ def main():
         __import__(module)
     install_guard(workdir)
     sys.modules["__main__"] = types.ModuleType("__main__")  # `import __main__` is not this module
-    record(json.dumps(layers))  # record 0: the parent's sign that set-up is complete
+    # record 0, the parent's sign that set-up is complete, goes where the completion cannot reach
+    recorder(job["setup_fd"], key, 0)(json.dumps(layers))
+    os.close(job["setup_fd"])
+    record = recorder(job["results_fd"], key, 1)
+    del key
     {"calls": run_calls, "tests": run_tests}[job["mode"]](job, record)
     _exit(0)  # do not wait for threads the completion may have left running
 

@@ -43,21 +43,23 @@ isolation, the rlimits, the group kill and, where active, Landlock and seccomp. 
 other than /proc entries is not restricted (the reference could read them too): keep secrets off
 disks readable by the trainer's user.
 
-Records (threat model). The child writes its records to an unlinked temporary file it holds only
-as an inherited descriptor (nothing in the working directory; stdout and stderr are never read
-as results). Each line carries a sequence number and a keyed BLAKE2b tag; the 32-byte key is a
-fresh random per run, sent on stdin and read by the runner before any untrusted code starts, and
-the parent keeps only lines that verify, in sequence, up to the first that does not. So a
-completion cannot forge a record by printing, writing files or descriptors (it can read its own
-earlier lines, but not make new ones), exiting with any status (`os._exit(0)`, `SystemExit` from
-a test or a `__del__`: a missing record is a failure), or patching modules, builtins or
-`__main__` (the runner reports through names bound before the code ran). Not covered: the
-completion shares one interpreter with the runner and, in `passes_tests`, with its tests (as in
-the reference), so code that walks interpreter frames (`frame.f_back` raises no audit event) can
-reach the runner's reporting function, and code can rig the tests' semantics (results whose
-`__eq__` is always true, a patched `pytest.raises`, test functions replaced from a thread).
-Closing that would need the tests to run in a process the completion's code never runs in. The
-vote key (`run_outputs`) is the completion's own output, so it has nothing to forge.
+Records (threat model). The child writes its records to an unlinked temporary file it holds only as
+an inherited descriptor (nothing in the working directory; stdout and stderr are never read as
+results); the record that says set-up completed goes to a second one, closed before the completion
+runs, so that erasing records makes them missing (a failure), never a SandboxError. Each line
+carries a sequence number and a keyed BLAKE2b tag; the 32-byte key is a fresh random per run, sent
+on stdin and read by the runner before any untrusted code starts, and the parent keeps only lines
+that verify, in sequence, up to the first that does not. So a completion cannot forge a record by
+printing, writing files or descriptors (it can read its own earlier lines, but not make new ones),
+exiting with any status (`os._exit(0)`, `SystemExit` from a test or a `__del__`: a missing record is
+a failure), or patching modules, builtins or `__main__` (the runner reports through names bound
+before the code ran). Not covered: the completion shares one interpreter with the runner and, in
+`passes_tests`, with its tests (as in the reference), so code that walks interpreter frames
+(`frame.f_back` raises no audit event) can reach the runner's reporting function, and code can rig
+the tests' semantics (results whose `__eq__` is always true, a patched `pytest.raises`, test
+functions replaced from a thread). Closing that would need the tests to run in a process the
+completion's code never runs in. The vote key (`run_outputs`) is the completion's own output, so it
+has nothing to forge.
 
 Differences from the reference, all in cases the reference could not survive or bound:
 prints are discarded instead of buffered; the per-call timer also covers `repr(result)`;
@@ -220,26 +222,23 @@ def _tag(key: bytes, body: bytes) -> bytes:
     return hashlib.blake2b(body, key=key, digest_size=16).hexdigest().encode()
 
 
-def _parse_results(raw: bytes, key: bytes) -> tuple[dict | None, list[str]]:
-    """(kernel layers, records) from the runner's lines `<seq> <base64> <tag>`, up to the first
-    line that is cut (a kill), out of sequence or not tagged with `key` (so written by the
-    completion); the layers are None when the runner never finished its set-up."""
+def _parse_records(raw: bytes, key: bytes, first_seq: int) -> list[str]:
+    """Texts of the runner's lines `<seq> <base64> <tag>`, up to the first line that is cut (a
+    kill), out of sequence or not tagged with `key` (so written by the completion)."""
     texts = []
-    for seq, line in enumerate(raw.split(b"\n")[:-1]):
+    for seq, line in enumerate(raw.split(b"\n")[:-1], start=first_seq):
         body, _, tag = line.rpartition(b" ")
         number, _, payload = body.partition(b" ")
         if number != b"%d" % seq or not hmac.compare_digest(tag, _tag(key, body)):
             break
         texts.append(binascii.a2b_base64(payload).decode("utf-8", "surrogatepass"))
-    if not texts:
-        return None, []
-    return json.loads(texts[0]), texts[1:]
+    return texts
 
 
-def _in_pid_namespace(results_fd: int, key: bytes) -> bool:
-    """Whether the runner reported (record 0) that it went on in a PID namespace."""
-    layers, _ = _parse_results(os.pread(results_fd, _LAYERS_BYTES, 0), key)
-    return bool(layers and layers.get("pid_namespace"))
+def _read_layers(setup_fd: int, key: bytes) -> dict | None:
+    """Record 0, the kernel layers; None when the runner never finished its set-up."""
+    texts = _parse_records(os.pread(setup_fd, _LAYERS_BYTES, 0), key, 0)
+    return json.loads(texts[0]) if texts else None
 
 
 def _run_sandboxed(job: dict, n_records: int,
@@ -248,9 +247,11 @@ def _run_sandboxed(job: dict, n_records: int,
     wall = limits.wall_for(n_records)
     key = secrets.token_bytes(_KEY_BYTES)
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="corl_sandbox_"))
-    # Records go to an unlinked file that the child holds only as an inherited descriptor.
-    with tempfile.TemporaryFile() as results:
-        job = {**job, "results_fd": results.fileno(), "call_seconds": limits.call_seconds,
+    # Records go to unlinked files that the child holds only as inherited descriptors; the set-up
+    # one (record 0) is closed before untrusted code runs, so a completion cannot erase it.
+    with tempfile.TemporaryFile() as setup, tempfile.TemporaryFile() as results:
+        job = {**job, "setup_fd": setup.fileno(), "results_fd": results.fileno(),
+               "call_seconds": limits.call_seconds,
                "cpu_seconds": limits.cpu_for(n_records), "memory_bytes": limits.memory_bytes,
                "max_output_bytes": limits.max_output_bytes,
                "max_processes": limits.max_processes, "max_repr_chars": MAX_REPR_CHARS,
@@ -264,7 +265,8 @@ def _run_sandboxed(job: dict, n_records: int,
                 child = subprocess.Popen(
                     [sys.executable, "-S", "-P", "-B", str(_RUNNER)], cwd=workdir,
                     env=_child_env(workdir), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                    stderr=stderr, start_new_session=True, pass_fds=(results.fileno(),))
+                    stderr=stderr, start_new_session=True,
+                    pass_fds=(setup.fileno(), results.fileno()))
             try:
                 try:  # read by the runner before any untrusted code runs
                     child.stdin.write(key)
@@ -272,7 +274,7 @@ def _run_sandboxed(job: dict, n_records: int,
                 except BrokenPipeError:  # the runner died at start: reported below
                     pass
                 timed_out = not _wait_for_exit(child.pid, wall)
-                if timed_out and _in_pid_namespace(results.fileno(), key):
+                if timed_out and (_read_layers(setup.fileno(), key) or {}).get("pid_namespace"):
                     child.terminate()  # its waiting half kills and reaps the namespace's pid 1
                     _wait_for_exit(child.pid, _TERM_GRACE_SECONDS)
             finally:
@@ -285,17 +287,17 @@ def _run_sandboxed(job: dict, n_records: int,
                 except BrokenPipeError:
                     pass
                 child.wait()
-            raw = os.pread(results.fileno(), limits.max_output_bytes, 0)
-            layers, records = _parse_results(raw, key)
+            layers = _read_layers(setup.fileno(), key)
             if layers is None:
                 detail = _read_head(stderr_path, _STDERR_SHOWN_BYTES).decode("utf-8", "replace")
                 raise SandboxError(
                     f"the sandbox runner did not start (exit status {child.returncode}, "
                     f"timed out: {timed_out}); is memory_bytes={limits.memory_bytes} enough for "
                     f"{sys.executable}? stderr:\n{detail}")
+            records = _parse_records(os.pread(results.fileno(), limits.max_output_bytes, 0),
+                                     key, 1)[:n_records]
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    records = records[:n_records]
     killed = timed_out or child.returncode in (-signal.SIGKILL, -signal.SIGXCPU)
     missing = "<TIMEOUT>" if killed else "<ERR:SandboxExit>"
     return layers, records + [missing] * (n_records - len(records))
