@@ -369,13 +369,6 @@ def _map_concurrently(grade: Callable, texts: Sequence[str], test_codes: Sequenc
         return list(pool.map(lambda pair: grade(*pair, limits=limits), zip(texts, test_codes)))
 
 
-def voting_answer_batch(texts: Sequence[str], test_codes: Sequence[str], *,
-                        limits: SandboxLimits = VOTE_LIMITS,
-                        max_workers: int = 2) -> list[str | None]:
-    """`voting_answer` for many completions, `max_workers` sandboxes at a time."""
-    return _map_concurrently(voting_answer, texts, test_codes, limits, max_workers)
-
-
 def passes_tests_batch(texts: Sequence[str], test_codes: Sequence[str], *,
                        limits: SandboxLimits = TEST_LIMITS, max_workers: int = 2) -> list[bool]:
     """`passes_tests` for many completions, `max_workers` sandboxes at a time."""
