@@ -24,9 +24,9 @@ def get_config(variant: str = ""):
         c.rollout.max_prompt_len = 2048  # HumanEval prompts reach ~1,500 byte tokens with the chat template
     if variant == "tiny":  # HumanEval/0 and /1 for training and eval: one prompt shape, each program compiles once
         c.data.update(eval_path="humaneval", holdout_size=0, max_train_samples=2, max_eval_samples=2)
-    elif variant == "demo":
-        c.rollout.update(prompts_per_step=16, num_generations=8, max_new_tokens=128)
-        c.train.update(max_steps=20, eval_every=10, eval_max_new_tokens=128, eval_samples_per_prompt=1,
+    elif variant == "demo":  # 8 prompts x G=8 (the variant's), 128 new tokens, 10 steps, pass@1 on 32 problems
+        c.rollout.max_new_tokens = 128
+        c.train.update(max_steps=10, eval_every=10, eval_max_new_tokens=128, eval_samples_per_prompt=1,
                        save_every=10)
-        c.data.max_eval_samples = 64
+        c.data.max_eval_samples = 32
     return c
