@@ -2,7 +2,7 @@
 Co-RL step over all of them (co_rl_reference.md §1.13):
 
     same prompt block ─► per agent: chat prompts → sample G completions (device) → texts (host)
-    all texts ─► task.score → voting.score_step (votes, teacher per topology, rewards [A, P, G])   one controller
+    all texts ─► task.score: keys → voting.score_step (votes, teacher, rewards [A, P, G])       one controller
     per agent: advantages → GRPO update with its own optimiser                                  device
 
 Labels pass in memory; every agent receives the same `PromptBlock`, so prompt ids cannot misalign. With
