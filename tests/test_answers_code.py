@@ -20,7 +20,7 @@ import pytest
 from corl_jax.answers import code as code_answers
 from corl_jax.answers.code import (
     SandboxLimits, extract_calls, extract_code, passes_tests, passes_tests_batch, run_outputs,
-    sandbox_confinement, voting_answer, voting_answer_batch)
+    sandbox_confinement, voting_answer)
 
 # Small limits keep the suite fast: per-call timer 1 s, whole child 2.5 s, 512 MiB, 64 KiB files.
 FAST = SandboxLimits(call_seconds=1.0, wall_seconds=2.5, memory_bytes=512 << 20,
@@ -252,15 +252,11 @@ def test_passes_tests_needs_a_test_function():
     assert not passes_tests(fenced(SOLUTION), "", limits=FAST)
 
 
-def test_batches_match_single_calls():
+def test_batches_match_single_calls():  # vote keys in batches: tests/test_code_task.py (CodeTask.vote_keys)
     texts = [fenced(SOLUTION), fenced("def f(xs, k):\n    return xs"), "no code at all", ""]
-    test_code = "assert f([2, 1], 1) == [1]\nassert f([], 0) == []"
-    expected = [voting_answer(text, test_code, limits=FAST) for text in texts]
-    assert voting_answer_batch(texts, [test_code] * 4, limits=FAST) == expected
-    assert expected[:2] == [repr(("[1]", "[]")), repr(("[2, 1]", "[]"))]
     assert passes_tests_batch(texts, [TESTS] * 4, limits=FAST) == [True, False, False, False]
     with pytest.raises(ValueError, match="pair up one to one"):
-        voting_answer_batch(texts, [test_code], limits=FAST)
+        passes_tests_batch(texts, [TESTS], limits=FAST)
 
 
 # A completion that fails its test and tries to report a pass anyway. Each forge runs at module

@@ -194,6 +194,45 @@ def extract_calls(test_code: str) -> tuple[str | None, list[tuple]]:
     return func_name, call_inputs
 
 
+def candidate_calls(test_code: str) -> list[tuple]:
+    """Argument tuples of the `candidate(...)` calls inside the asserts of HumanEval-style test code
+    (`def check(candidate): assert candidate(...) == ...`), in source order, wherever the call sits
+    in the assert (`assert abs(candidate(1.33) - 0.33) < 1e-6` counts). Parsed with `ast`; only
+    `literal_eval` of literal arguments; calls with keyword, starred or non-literal arguments are
+    skipped (HumanEval/32 draws its inputs at random and so yields none)."""
+    _require_str(test_code, "test_code")
+    try:
+        tree = ast.parse(test_code)
+    except Exception:  # noqa: BLE001  as extract_calls
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assert):
+            continue
+        for call in ast.walk(node.test):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id == "candidate" and not call.keywords):
+                try:
+                    found.append((call.lineno, call.col_offset,
+                                  tuple(ast.literal_eval(arg) for arg in call.args)))
+                except Exception:  # noqa: BLE001  not a literal (Starred, Name, Call, ...)
+                    pass
+    return [args for _, _, args in sorted(found, key=lambda item: item[:2])]
+
+
+def _syntax_marker(source: str) -> str | None:
+    """`<ERR:SyntaxError>` (or its subclass) when `source` cannot even be parsed, which the sandbox
+    would also report for every call; None otherwise (then only the sandbox can tell). Parsing runs
+    no code; it spares a sandbox start for text that is not Python (random models' output)."""
+    try:
+        ast.parse(source)
+    except SyntaxError as exc:
+        return f"<ERR:{type(exc).__name__}>"
+    except Exception:  # noqa: BLE001  e.g. MemoryError on pathological nesting: let the sandbox decide
+        return None
+    return None
+
+
 def _child_env(workdir: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
             "TMPDIR": workdir, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
@@ -320,6 +359,9 @@ def run_outputs(code: str, func_name: str, call_inputs: Sequence[tuple], *,
                             f"got {type(args).__name__}")
     if not call_inputs:
         return []
+    error = _syntax_marker("from typing import *\n" + code)  # the runner's exec'd source
+    if error is not None:
+        return [error] * len(call_inputs)
     job = {"mode": "calls", "code": code, "func_name": func_name, "inputs": call_inputs,
            "preload": []}
     return _run_sandboxed(job, len(call_inputs), limits)[1]
@@ -329,8 +371,13 @@ def voting_answer(text: str, test_code: str, *,
                   limits: SandboxLimits = VOTE_LIMITS) -> str | None:
     """The completion's vote key: `repr(tuple(outputs))` on the test's call inputs; None when there
     is no code, no call input, or every output is a marker (starts with `<`)."""
+    return output_key(text, *extract_calls(test_code), limits=limits)
+
+
+def output_key(text: str, func_name: str | None, call_inputs: Sequence[tuple], *,
+               limits: SandboxLimits = VOTE_LIMITS) -> str | None:
+    """`voting_answer` with the called name and inputs given (e.g. from `candidate_calls`)."""
     code = extract_code(text)
-    func_name, call_inputs = extract_calls(test_code)
     if code is None or func_name is None or not call_inputs:
         return None
     outputs = run_outputs(code, func_name, call_inputs, limits=limits)
@@ -345,6 +392,8 @@ def passes_tests(text: str, test_code: str, *, limits: SandboxLimits = TEST_LIMI
     code = extract_code(text)
     _require_str(test_code, "test_code")
     if code is None or not test_code:
+        return False
+    if _syntax_marker("from typing import *\n" + code + "\n" + test_code) is not None:
         return False
     # CoMAS tests use pytest.raises; importing pytest (~0.3 s) before the timer starts keeps it
     # from eating the 4 s budget (the reference paid it once per trainer process).
@@ -370,13 +419,6 @@ def _map_concurrently(grade: Callable, texts: Sequence[str], test_codes: Sequenc
                          f"each of its completions)")
     with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
         return list(pool.map(lambda pair: grade(*pair, limits=limits), zip(texts, test_codes)))
-
-
-def voting_answer_batch(texts: Sequence[str], test_codes: Sequence[str], *,
-                        limits: SandboxLimits = VOTE_LIMITS,
-                        max_workers: int = 2) -> list[str | None]:
-    """`voting_answer` for many completions, `max_workers` sandboxes at a time."""
-    return _map_concurrently(voting_answer, texts, test_codes, limits, max_workers)
 
 
 def passes_tests_batch(texts: Sequence[str], test_codes: Sequence[str], *,
