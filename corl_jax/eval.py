@@ -121,32 +121,38 @@ def prompt_texts(model: LoadedModel, items: Sequence[bm.Item], chat: bool) -> li
             for item in items]
 
 
-def generate(model: LoadedModel, texts: Sequence[str], *, samples: int, max_new_tokens: int, settings: ConfigDict,
-             key, chat: bool) -> tuple[list[list[str]], list[list[bool]]]:
-    """`samples` completions per prompt text (and whether each hit the budget), prompts batched by length.
+def sampling_params(settings: ConfigDict):
+    from corl_jax.sampling import SamplingParams
 
-    A prompt that leaves no room under `max_model_len` gets empty completions (scored wrong), as a server with
-    that context length would refuse it."""
+    if settings.temperature == 0:
+        return SamplingParams(greedy=True)
+    return SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+
+
+def generate(model: LoadedModel, token_lists: Sequence[Sequence[int]], *, samples: int, max_new_tokens: int,
+             params, key, max_model_len: int, batch_prompts: int) -> tuple[list[list[str]], list[list[bool]]]:
+    """`samples` completion texts per prompt (and whether each hit the budget), prompts sorted by length into
+    batches of `batch_prompts`; the sampler prefills each prompt once for all its samples.
+
+    A prompt that leaves no room under `max_model_len` (capped by the model's positions) gets empty completions
+    (scored wrong), as a server with that context length would refuse it."""
     import jax
     import numpy as np
 
-    from corl_jax.sampling import SamplingParams
     from corl_jax.tokenization import decode_completions, left_pad
 
     tokenizer = model.policy.tokenizer
-    token_lists = tokenizer(list(texts), add_special_tokens=not chat)["input_ids"]
-    limit = min(settings.max_model_len, model.policy.config.max_position_embeddings)
-    params = SamplingParams(greedy=True) if settings.temperature == 0 else SamplingParams(
-        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
-    out = [[""] * samples for _ in texts]
-    truncated = [[False] * samples for _ in texts]
-    order = sorted(range(len(texts)), key=lambda i: len(token_lists[i]))
-    for start in range(0, len(order), settings.batch_prompts):
-        chunk = [i for i in order[start:start + settings.batch_prompts] if len(token_lists[i]) < limit]
+    limit = min(max_model_len, model.policy.config.max_position_embeddings)
+    out = [[""] * samples for _ in token_lists]
+    truncated = [[False] * samples for _ in token_lists]
+    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+    for start in range(0, len(order), batch_prompts):
+        chunk = [i for i in order[start:start + batch_prompts] if 0 < len(token_lists[i]) < limit]
         if not chunk:
             continue
         longest = max(len(token_lists[i]) for i in chunk)
-        ids, mask = left_pad([token_lists[i] for i in chunk], tokenizer.pad_token_id, bucket=model.sampler.buckets.prompt)
+        ids, mask = left_pad([token_lists[i] for i in chunk], tokenizer.pad_token_id,
+                             bucket=model.sampler.buckets.prompt)
         completions = model.sampler.generate(ids, mask, num_samples=samples,
                                              max_new_tokens=min(max_new_tokens, limit - longest), params=params,
                                              key=jax.random.fold_in(key, start))
@@ -172,8 +178,11 @@ def evaluate_candidate(candidate: Candidate, bench: str, items: Sequence[bm.Item
     chat = settings.chat_template
     texts = prompt_texts(model, items, chat)
     key = jax.random.fold_in(jax.random.key(settings.seed), bench_index)
-    completions, truncated = generate(model, texts, samples=samples, max_new_tokens=budget, settings=settings,
-                                      key=key, chat=chat)
+    # A chat template writes its own special tokens; plain prompts get the tokenizer's (e.g. a BOS).
+    token_lists = model.policy.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
+    completions, truncated = generate(model, token_lists, samples=samples, max_new_tokens=budget,
+                                      params=sampling_params(settings), key=key, max_model_len=settings.max_model_len,
+                                      batch_prompts=settings.batch_prompts)
     flat = [(i, j) for i in range(len(items)) for j in range(samples)]
     answers = [bm.extract(bench, items[i], completions[i][j], chat=chat) for i, j in flat]
     correct = bm.grade(bench, [items[i] for i, _ in flat], answers)
