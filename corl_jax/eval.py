@@ -83,30 +83,81 @@ class Candidate:
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A policy with its sampler (compiled programs are reused across the revisions swapped into it)."""
+    """A policy (its tokenizer carries the chat template it was trained with) and its sampler, whose compiled
+    programs are reused across the revisions swapped into the model."""
 
     name: str
     policy: object
     sampler: object
-    chat_template: str | None = None
     base_params: object = None
 
 
-def load_model(name: str, path: str, *, dtype: str, compute_dtype: str | None = None,
-               chat_template: str | None = None) -> LoadedModel:
+_DTYPES = ("float32", "bfloat16")
+
+
+def load_model(name: str, path: str, *, dtype: str) -> LoadedModel:
+    """An HF checkpoint directory as a `LoadedModel` (parameters and compute in `dtype`)."""
     import jax.numpy as jnp
-    from flax import nnx
 
     from corl_jax.models import from_pretrained
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"--sampling.dtype={dtype!r}: use one of {_DTYPES}")
+    return _with_sampler(name, from_pretrained(path, dtype=getattr(jnp, dtype)), path)
+
+
+def _with_sampler(name: str, policy, path: str) -> LoadedModel:
+    from flax import nnx
+
     from corl_jax.sampling import Sampler
     from corl_jax.tokenization import stop_token_ids
 
-    dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-    if dtype not in dtypes or (compute_dtype or dtype) not in dtypes:
-        raise ValueError(f"dtype {dtype!r}: use one of {sorted(dtypes)}")
-    policy = from_pretrained(path, dtype=dtypes[dtype], compute_dtype=dtypes[compute_dtype or dtype])
     sampler = Sampler.from_policy(policy, stop_ids=stop_token_ids(policy.tokenizer, path))
-    return LoadedModel(name, policy, sampler, chat_template, base_params=nnx.state(policy.model))
+    return LoadedModel(name, policy, sampler, base_params=nnx.state(policy.model))
+
+
+def parse_steps(spec: str) -> list[str]:
+    """`base,latest,best` / `all` / step numbers -> tokens for `runs.Run.resolve_step` (base = step 0)."""
+    tokens = [t.strip() for t in spec.split(",") if t.strip()]
+    bad = [t for t in tokens if t not in ("base", "latest", "best", "all") and not t.isdigit()]
+    if not tokens or bad:
+        raise ValueError(f"--step={spec!r}: use a comma list of base, latest, best, all or step numbers")
+    return tokens
+
+
+def workdir_candidates(workdir: str, steps: str, agents: Sequence[str] | None) -> list[Candidate]:
+    """Every requested (agent, step) of a run: each agent's model and sampler are built once (at its compute
+    dtype), then each resolved step's parameters (only that agent's, read from the cohort checkpoint) are swapped in.
+    `best` is each agent's own best step; several names of one step make one row (e.g. "step 100 (latest, best)")."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from corl_jax import runs
+
+    run = runs.open_run(workdir)
+    names = list(agents or run.agents)
+    for agent in names:
+        run.check_agent(agent)
+    tokens = parse_steps(steps)
+    if not run.steps and any(t not in ("base", "0") for t in tokens):
+        raise runs.RunError(f"the run {run.workdir} has no checkpoints yet (checkpoints/ is empty); train it "
+                            "(python -m corl_jax.train ... --workdir=DIR) or evaluate --step=base")
+    candidates = []
+    for agent in names:
+        labels: dict[int, list[str]] = {}
+        for token in tokens:
+            for step in ([0, *run.steps] if token == "all" else [run.resolve_step(agent, 0 if token == "base" else token)]):
+                labels.setdefault(step, [])
+                if token not in ("all", "base", str(step)):
+                    labels[step].append(token)
+        dtype = getattr(jnp, run.config.agents[agent].get("compute_dtype", "float32"))
+        model = _with_sampler(agent, runs.load_agent(workdir, agent, 0, dtype=dtype)[0], run.model_path(agent))
+        for step in sorted(labels):
+            params = None if step == 0 else nnx.state(runs.load_agent(workdir, agent, step, dtype=dtype)[0].model)
+            named = f" ({', '.join(labels[step])})" if labels[step] else ""
+            candidates.append(Candidate(ckpt=agent, revision=("base" if step == 0 else f"step {step}") + named,
+                                        agent=model, params=params))
+    return candidates
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -117,7 +168,7 @@ def prompt_texts(model: LoadedModel, items: Sequence[bm.Item], chat: bool) -> li
 
     if not chat:
         return [item.raw for item in items]
-    return [render_chat(model.policy.tokenizer, item.message, chat_template=model.chat_template) + item.prefix
+    return [render_chat(model.policy.tokenizer, item.message) + item.prefix
             for item in items]
 
 
@@ -372,12 +423,12 @@ def main(argv: Sequence[str]) -> None:
         benches = load_benchmarks(resolve_benchmarks(_BENCHMARKS.value), _DATA.value.to_dict(), settings.max_problems)
         if not benches:
             _fail("no benchmark has data. Fix: pass --data.<benchmark>=FILE for one of them")
-        candidates = []
+        candidates = workdir_candidates(_WORKDIR.value, _STEP.value, _AGENTS.value) if _WORKDIR.value else []
         for path in _MODEL_PATH.value:
             model = load_model(os.path.basename(os.path.normpath(path)), path, dtype=settings.dtype)
             candidates.append(Candidate(ckpt=path, revision="model", agent=model))
         records = run(candidates, benches, settings)
-    except (DataError, ValueError, FileNotFoundError, NotADirectoryError) as e:
+    except (DataError, ValueError, FileNotFoundError, NotADirectoryError) as e:  # RunError is a ValueError
         _fail(str(e))
     out = _OUT.value or (os.path.join(_WORKDIR.value, "eval") if _WORKDIR.value else "eval")
     summary = write_outputs(out, candidates, records, list(benches), settings, _DATA.value.to_dict(), sys.argv)
