@@ -11,7 +11,7 @@ runs lm-eval's own command line with the arguments given. From Python: `import c
 
 model_args: path (an HF checkpoint directory) or workdir + agent [+ step: best|latest|N]; dtype (bfloat16),
 batch_size (prompts per sampler call / sequences per forward, 16), max_length (4096), max_gen_toks (256),
-add_bos_token (False, as lm-eval's hf model), seed (0).
+add_bos_token (default: the tokenizer's own special tokens, as lm-eval's hf model), seed (0).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import lm_eval.models  # noqa: F401  (lm-eval's own model types, registered on i
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
 from corl_jax import eval as corl_eval
 
@@ -38,7 +39,7 @@ def _bool(value) -> bool:
 class CorlJaxLM(TemplateLM):
     def __init__(self, path: str | None = None, workdir: str | None = None, agent: str | None = None,
                  step: str = "best", dtype: str = "bfloat16", batch_size: int | str = 16, max_length: int = 4096,
-                 max_gen_toks: int = 256, add_bos_token: bool | str = False, seed: int = 0, **unused):
+                 max_gen_toks: int = 256, add_bos_token: bool | str | None = None, seed: int = 0, **unused):
         super().__init__()
         if bool(path) == bool(workdir):
             raise ValueError("corl_jax model_args: give either path=HF_DIR or workdir=DIR,agent=NAME[,step=best]")
@@ -57,7 +58,7 @@ class CorlJaxLM(TemplateLM):
         self._batch = 16 if str(batch_size).startswith("auto") else int(batch_size)
         self._max_length = min(int(max_length), self.model.policy.config.max_position_embeddings)
         self._max_gen_toks = int(max_gen_toks)
-        self._add_bos = _bool(add_bos_token)
+        self._add_bos = None if add_bos_token is None else _bool(add_bos_token)
         self._seed = int(seed)
 
     # --------------------------------------------------------------------------------------------- tokens
@@ -65,6 +66,12 @@ class CorlJaxLM(TemplateLM):
     @property
     def eot_token_id(self) -> int:
         return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Prefix of an empty context / rolling windows: the BOS when the tokenizer has one (as lm-eval's hf)."""
+        bos = self.tokenizer.bos_token_id
+        return self.eot_token_id if bos is None else bos
 
     @property
     def max_length(self) -> int:
@@ -80,8 +87,12 @@ class CorlJaxLM(TemplateLM):
                                                   continue_final_message=not add_generation_prompt)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        special = self._add_bos if add_special_tokens is None else add_special_tokens
-        return self.tokenizer.encode(string, add_special_tokens=special)
+        """lm-eval's hf rule: the tokenizer's own special tokens (e.g. a BOS) unless told otherwise or the text
+        already starts with the BOS."""
+        special = _add_special_kwargs(add_special_tokens, self._add_bos)
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        return self.tokenizer.encode(string, **special)
 
     def tok_decode(self, tokens, **kwargs) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
