@@ -181,9 +181,10 @@ def sampling_params(settings: ConfigDict):
 
 
 def generate(model: LoadedModel, token_lists: Sequence[Sequence[int]], *, samples: int, max_new_tokens: int,
-             params, key, max_model_len: int, batch_prompts: int) -> tuple[list[list[str]], list[list[bool]]]:
-    """`samples` completion texts per prompt (and whether each hit the budget), prompts sorted by length into
-    batches of `batch_prompts`; the sampler prefills each prompt once for all its samples.
+             params, key, max_model_len: int, batch_prompts: int) -> tuple[list[list[str]], list[list[bool]], int]:
+    """`samples` completion texts per prompt, whether each hit the budget, and the number of tokens generated;
+    prompts are sorted by length into batches of `batch_prompts`, the sampler prefills each prompt once for all
+    its samples.
 
     A prompt that leaves no room under `max_model_len` (capped by the model's positions) gets empty completions
     (scored wrong), as a server with that context length would refuse it."""
@@ -196,6 +197,7 @@ def generate(model: LoadedModel, token_lists: Sequence[Sequence[int]], *, sample
     limit = min(max_model_len, model.policy.config.max_position_embeddings)
     out = [[""] * samples for _ in token_lists]
     truncated = [[False] * samples for _ in token_lists]
+    generated = 0
     order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
     for start in range(0, len(order), batch_prompts):
         chunk = [i for i in order[start:start + batch_prompts] if 0 < len(token_lists[i]) < limit]
@@ -209,10 +211,11 @@ def generate(model: LoadedModel, token_lists: Sequence[Sequence[int]], *, sample
                                              key=jax.random.fold_in(key, start))
         decoded = decode_completions(tokenizer, np.asarray(completions.tokens), np.asarray(completions.mask))
         cut = np.asarray(completions.truncated)
+        generated += int(np.asarray(completions.lengths).sum())
         for row, i in enumerate(chunk):
             out[i] = decoded[row * samples:(row + 1) * samples]
             truncated[i] = cut[row * samples:(row + 1) * samples].tolist()
-    return out, truncated
+    return out, truncated, generated
 
 
 def evaluate_candidate(candidate: Candidate, bench: str, items: Sequence[bm.Item], settings: ConfigDict,
@@ -231,7 +234,7 @@ def evaluate_candidate(candidate: Candidate, bench: str, items: Sequence[bm.Item
     key = jax.random.fold_in(jax.random.key(settings.seed), bench_index)
     # A chat template writes its own special tokens; plain prompts get the tokenizer's (e.g. a BOS).
     token_lists = model.policy.tokenizer(texts, add_special_tokens=not chat)["input_ids"]
-    completions, truncated = generate(model, token_lists, samples=samples, max_new_tokens=budget,
+    completions, truncated, _ = generate(model, token_lists, samples=samples, max_new_tokens=budget,
                                       params=sampling_params(settings), key=key, max_model_len=settings.max_model_len,
                                       batch_prompts=settings.batch_prompts)
     flat = [(i, j) for i in range(len(items)) for j in range(samples)]

@@ -160,7 +160,7 @@ class CorlJaxLM(TemplateLM):
             # Contexts keep their last tokens so that the budget fits under max_length (lm-eval's hf does the same).
             keep = max(self.max_length - budget, 1)
             token_lists = [self.tok_encode(requests[i].args[0])[-keep:] for i in members]
-            texts, _ = corl_eval.generate(self.model, token_lists, samples=1, max_new_tokens=budget, params=params,
+            texts, _, _ = corl_eval.generate(self.model, token_lists, samples=1, max_new_tokens=budget, params=params,
                                           key=jax.random.fold_in(jax.random.key(self._seed), group_index),
                                           max_model_len=self.max_length, batch_prompts=self._batch)
             for i, (text,) in zip(members, texts):

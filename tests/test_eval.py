@@ -62,11 +62,11 @@ def test_greedy_eval_matches_transformers_per_prompt(tiny_dir):
 
 def test_a_prompt_longer_than_the_context_is_scored_wrong_without_generating(tiny_dir):
     model = ev.load_model("tiny", tiny_dir, dtype="float32")
-    texts, truncated = ev.generate(model, [[5] * 40, [5] * 3], samples=2, max_new_tokens=4,
+    texts, truncated, generated = ev.generate(model, [[5] * 40, [5] * 3], samples=2, max_new_tokens=4,
                                    params=ev.sampling_params(settings()), key=__import__("jax").random.key(0),
                                    max_model_len=32, batch_prompts=8)
     assert texts[0] == ["", ""] and truncated[0] == [False, False]
-    assert len(texts[1]) == 2
+    assert len(texts[1]) == 2 and 2 <= generated <= 8
 
 
 # ------------------------------------------------------------------------------------------------ benchmarks
@@ -181,7 +181,9 @@ def tiny_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
     env = dict(os.environ, CORL_JAX_CACHE=str(tmp_path_factory.getbasetemp() / "zoo_cache"))
     subprocess.run([sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}",
-                    "--config.train.max_steps=2", "--config.train.save_every=1", "--config.train.eval_every=1"],
+                    "--config.train.max_steps=2", "--config.train.save_every=1", "--config.train.eval_every=1",
+                    "--config.rollout.max_new_tokens=8", "--config.train.eval_max_new_tokens=8",
+                    "--config.data.max_eval_samples=4"],
                    cwd=REPO, env=env, check=True, capture_output=True)
     return workdir, env
 
