@@ -20,6 +20,7 @@ instead of `math_verify`; code runs in `corl_jax.answers.code`'s sandbox instead
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import random
@@ -296,7 +297,9 @@ def grade(bench: str, items: Sequence[Item], answers: Sequence[str | None]) -> l
             codes = [f"_PROGRAM = {a!r}" if a else None for a in answers]
         else:
             codes = list(answers)
-        return [code_answers.code_passes_tests(c, item.gold) if c else False for c, item in zip(codes, items)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # one sandbox process per program
+            return list(pool.map(lambda c, item: bool(c) and code_answers.code_passes_tests(c, item.gold), codes,
+                                 items))
     if bench in ("gsm8k", "gpqa_diamond"):
         return [a is not None and a == item.gold for a, item in zip(answers, items)]
     pairs = [(a, item.gold) for a, item in zip(answers, items)]
