@@ -74,7 +74,7 @@ _SAMPLING = config_flags.DEFINE_config_dict("sampling", default_sampling(), "Sam
 
 @dataclasses.dataclass
 class Candidate:
-    """One row of the table: a model (`ckpt`) at a `revision`, loaded lazily by `activate()`."""
+    """One row of the table: a model (`ckpt`) at a `revision`: `params` are swapped into the model to evaluate it."""
 
     ckpt: str
     revision: str
@@ -108,13 +108,16 @@ def load_model(name: str, path: str, *, dtype: str) -> LoadedModel:
 
 
 def _with_sampler(name: str, policy, path: str) -> LoadedModel:
+    import jax
     from flax import nnx
 
     from corl_jax.sampling import Sampler
     from corl_jax.tokenization import stop_token_ids
 
     sampler = Sampler.from_policy(policy, stop_ids=stop_token_ids(policy.tokenizer, path))
-    return LoadedModel(name, policy, sampler, base_params=nnx.state(policy.model))
+    # A snapshot: nnx.state shares the model's variables, which later revisions' parameters replace.
+    base = jax.tree.map(lambda x: x, nnx.state(policy.model))
+    return LoadedModel(name, policy, sampler, base_params=base)
 
 
 def parse_steps(spec: str) -> list[str]:

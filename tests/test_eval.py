@@ -6,10 +6,12 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -58,12 +60,19 @@ def test_greedy_eval_matches_transformers_per_prompt(tiny_dir):
                               pad_token_id=tokenizer.pad_token_id)
         assert record["completion"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         assert record["extracted"] == bm.last_boxed(record["completion"]) and record["correct"] is False
+    # Another revision's parameters swapped in and out again: the base revision gives the same completions.
+    other = jax.tree.map(lambda x: x * 0.5, model.base_params)
+    short = settings(temperature=0.0, max_new_tokens=10)
+    changed = ev.evaluate_candidate(ev.Candidate("tiny", "half", model, other), "math500", items[:2], short, 1)
+    again = ev.evaluate_candidate(candidate, "math500", items[:2], short, 1)
+    assert [r["completion"] for r in again] == [r["completion"] for r in records[:2]]
+    assert [r["completion"] for r in changed] != [r["completion"] for r in again]
 
 
 def test_a_prompt_longer_than_the_context_is_scored_wrong_without_generating(tiny_dir):
     model = ev.load_model("tiny", tiny_dir, dtype="float32")
     texts, truncated, generated = ev.generate(model, [[5] * 40, [5] * 3], samples=2, max_new_tokens=4,
-                                   params=ev.sampling_params(settings()), key=__import__("jax").random.key(0),
+                                   params=ev.sampling_params(settings()), key=jax.random.key(0),
                                    max_model_len=32, batch_prompts=8)
     assert texts[0] == ["", ""] and truncated[0] == [False, False]
     assert len(texts[1]) == 2 and 2 <= generated <= 8
@@ -211,8 +220,9 @@ def test_newcomer_flow_eval_of_a_workdir(tiny_run):
     assert len(samples) == len(rows) * 2 * 3 and set(samples[0]) >= {"prompt", "completion", "extracted", "correct"}
 
 
-def test_bad_workdir_input_is_one_line_and_exit_2(tiny_run, tmp_path):
+def test_bad_workdir_input_is_one_line_and_exit_2(tiny_run, tmp_path, monkeypatch):
     workdir, env = tiny_run
+    monkeypatch.setenv("CORL_JAX_CACHE", env["CORL_JAX_CACHE"])
     from corl_jax import runs
 
     with pytest.raises(runs.RunError, match="agent 'nobody' is not in the run"):
@@ -224,5 +234,12 @@ def test_bad_workdir_input_is_one_line_and_exit_2(tiny_run, tmp_path):
     (tmp_path / "config.json").write_text((workdir / "config.json").read_text())
     with pytest.raises(runs.RunError, match="no checkpoints yet"):
         ev.workdir_candidates(str(tmp_path), "latest", None)
+    other = tmp_path / "other"
+    shutil.copytree(workdir / "checkpoints", other / "checkpoints")
+    config = json.loads((workdir / "config.json").read_text())
+    config["agents"]["qwen25"]["model_path"] = "tiny:llama"  # another architecture than the one trained
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(runs.RunError, match="another config"):
+        ev.workdir_candidates(str(other), "latest", ["qwen25"])
     out = run_eval([f"--workdir={workdir}", "--agents=nobody"], env)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "not in the run" in out.stderr
