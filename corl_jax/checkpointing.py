@@ -1,11 +1,12 @@
-"""Training-state checkpoints with Orbax: save, keep the last N plus the best, resume.
+"""Training-state checkpoints with Orbax: save, keep the last N plus each metric's best, resume.
 
 One checkpoint step holds four items:
   state  the caller's pytree of arrays (per agent: parameters and optimiser state), restored into the caller's
          abstract target, shardings included;
   data   the prompt stream's state (`corl_jax.data.PromptStream.get_state()`), JSON;
   rng    named PRNG keys as uint32 key data (+ the key implementation), JSON;
-  meta   the step, its metric, the caller's small JSON metadata (config hash, ...) and a fingerprint of every array.
+  meta   the step, its metric(s), the caller's small JSON metadata (config hash, ...) and a fingerprint of every
+         array.
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed mid-save leaves
 the previous steps intact. A state with a non-finite floating-point value is never saved; a restored state must
 match the fingerprints written at save (two wrapping uint32 sums of each array's bits, computed on its devices) and
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 _policies = ocp.checkpoint_managers
 
@@ -47,14 +49,16 @@ class Snapshot:
     data_state: Mapping[str, Any]   # PromptStream.get_state()
     rng: Mapping[str, jax.Array]    # name -> PRNG key (typed or raw uint32)
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    metric: float | None = None     # e.g. mean eval accuracy; greater is better
+    # Greater is better. A mapping ranks each key on its own (e.g. agent -> eval accuracy: every agent's best step is
+    # kept); a float is the single key "value".
+    metric: float | Mapping[str, float] | None = None
 
 
 class Checkpointer:
     """Orbax-managed checkpoints under `<workdir>/checkpoints/<step>/`.
 
-    Keeps the `keep_last` most recent steps and, with `keep_best`, also the step with the greatest metric (the
-    earliest of equal ones, as the reference's BestKeeper takes only a strictly better value).
+    Keeps the `keep_last` most recent steps and, with `keep_best`, for every metric key the step with its greatest
+    value (the earliest of equal ones, as the reference's BestKeeper takes only a strictly better value).
     """
 
     def __init__(self, workdir: str, keep_last: int = 2, keep_best: bool = True, async_save: bool = True):
@@ -65,15 +69,18 @@ class Checkpointer:
         self.rejected: dict[int, str] = {}  # step -> why, of the steps a fallback restore moved aside
         policies = [_policies.LatestN(n=keep_last)]
         if keep_best:
-            policies.append(_policies.BestN(get_metric_fn=_rank, n=1, keep_checkpoints_without_metrics=False))
-        options = ocp.CheckpointManagerOptions(  # best_fn also makes Orbax persist each step's metric
-            best_fn=_rank, preservation_policy=_policies.AnyPreservationPolicy(policies),
+            policies.append(_BestPerKey())
+        options = ocp.CheckpointManagerOptions(  # a best_fn makes Orbax persist each step's metrics (retention: above)
+            best_fn=lambda m: float(np.mean(list(_values(m).values()))),
+            preservation_policy=_policies.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, snapshot: Snapshot) -> None:
         """Start saving `snapshot` (asynchronously unless `async_save=False`); `wait()` blocks until it is durable."""
-        if snapshot.metric is not None and not math.isfinite(snapshot.metric):
+        values = None if snapshot.metric is None else (
+            dict(snapshot.metric) if isinstance(snapshot.metric, Mapping) else {"value": snapshot.metric})
+        if values is not None and not all(math.isfinite(v) for v in values.values()):
             raise ValueError(f"checkpoint metric {snapshot.metric} at step {snapshot.step} is not finite")
         fingerprints = fingerprint(snapshot.state)
         bad = [name for name, entry in fingerprints.items() if not entry["finite"]]
@@ -89,7 +96,7 @@ class Checkpointer:
                                     data=ocp.args.JsonSave(dict(snapshot.data_state)),
                                     rng=ocp.args.JsonSave(_encode_keys(snapshot.rng)),
                                     meta=ocp.args.JsonSave(meta)),
-            metrics=None if snapshot.metric is None else {"value": snapshot.metric, "step": snapshot.step})
+            metrics=None if values is None else {"values": values, "step": snapshot.step})
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -109,9 +116,25 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def best_step(self) -> int | None:
-        """The kept step with the greatest metric (earliest among equals); None when no step has a metric."""
-        return self._manager.best_step() if any(self._manager.metrics(s) for s in self.all_steps()) else None
+    def best_steps(self) -> dict[str, int]:
+        """Per metric key, the kept step with its greatest value (earliest among equals)."""
+        return _best_per_key([(s, self._manager.metrics(s)) for s in self.all_steps()])
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The `meta` item of `step` alone: {"step", "metric", "metadata"}."""
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def state_metadata(self, step: int) -> Any:
+        """The saved state's tree, each leaf an Orbax ArrayMetadata (`.shape`, `.dtype`); reads no array."""
+        return ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.step_dir(step)) / "state").tree
+
+    def restore_subtree(self, step: int, target: Any) -> Any:
+        """Only the part of `step`'s state that `target` names (e.g. {agent: {"params": ...}}), laid out (shape,
+        dtype, sharding) like `target`'s jax.ShapeDtypeStruct leaves; the rest (optimiser state, other agents) is
+        never read."""
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(os.path.join(self.step_dir(step), "state"), args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
@@ -247,9 +270,27 @@ def _quiet():
         logging.set_verbosity(verbosity)
 
 
-def _rank(metrics: Mapping[str, Any]) -> tuple[float, int]:
-    """Greater is better; among equal values the earlier step wins."""
-    return metrics["value"], -metrics["step"]
+def _values(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """A step's metric values by key (checkpoints written before per-key metrics hold one "value")."""
+    return dict(metrics["values"]) if "values" in metrics else {"value": metrics["value"]}
+
+
+def _best_per_key(steps_and_metrics) -> dict[str, int]:
+    """key -> the step of its greatest value (earliest among equals) over (step, metrics or None) pairs."""
+    best: dict[str, tuple[float, int]] = {}
+    for step, metrics in sorted(steps_and_metrics, key=lambda x: x[0]):
+        for key, value in (_values(metrics) if metrics else {}).items():
+            if key not in best or value > best[key][0]:
+                best[key] = (value, step)
+    return {key: step for key, (_, step) in best.items()}
+
+
+class _BestPerKey(_policies.PreservationPolicy):
+    """Orbax preservation policy: keep every step that is some metric key's best."""
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        keep = set(_best_per_key([(c.step, c.metrics) for c in checkpoints]).values())
+        return [c.step in keep for c in checkpoints]
 
 
 def _encode_keys(keys: Mapping[str, jax.Array]) -> dict[str, dict[str, Any]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -10,7 +9,6 @@ import time
 
 import jax
 import ml_collections
-import numpy as np
 from absl import logging
 from tqdm import tqdm
 
@@ -19,27 +17,7 @@ from corl_jax import workdir as run_dir
 from corl_jax.cohort import Cohort, check_prompt_lengths, load_agents
 from corl_jax.data import PromptStream, load_train_and_eval
 from corl_jax.metrics import RunLog, write_json
-
-
-@dataclasses.dataclass
-class EvalHistory:
-    """Per agent: accuracy at each evaluated step; the best is the first strictly greatest (the reference's keeper)."""
-
-    by_agent: dict[str, dict[int, float]]
-
-    def add(self, step: int, accuracies: dict[str, float]) -> None:
-        for name, acc in accuracies.items():
-            self.by_agent.setdefault(name, {})[step] = acc
-
-    def summary(self) -> dict[str, dict[str, float | int | None]]:
-        out = {}
-        for name, history in self.by_agent.items():
-            steps = sorted(history)
-            best = max(steps, key=lambda s: (history[s], -s)) if steps else None
-            out[name] = {"initial_accuracy": history[steps[0]] if steps else None,
-                         "final_accuracy": history[steps[-1]] if steps else None,
-                         "best_accuracy": history[best] if steps else None, "best_step": best}
-        return out
+from corl_jax.runs import EvalHistory
 
 
 def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
@@ -155,9 +133,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
             log.records(records)
         stopping = stop is not None and stop.signum is not None
         accuracies = None if stopping else maybe_eval(step)
-        if step % config.train.save_every == 0 or step == total_steps or stopping:
-            metric = None if accuracies is None else float(np.mean(list(accuracies.values())))
-            checkpointer.save(_snapshot(cohort, stream, step, history, nonfinite, faults, metric))
+        # An agent's new best is saved even off the save_every schedule, so every best step has its weights.
+        new_best = accuracies is not None and any(history.best_step(name) == step for name in accuracies)
+        if step % config.train.save_every == 0 or step == total_steps or new_best or stopping:
+            checkpointer.save(_snapshot(cohort, stream, step, history, nonfinite, faults, accuracies))
         bar.set_postfix({f"{n}": f"r={m['reward']:.2f}" for n, m in metrics.items()})
         bar.update(1)
         if stopping:
@@ -168,12 +147,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
     checkpointer.wait()
     checkpointer.close()
     log.close()
-    summary = {"agents": history.summary(), "steps": total_steps, "nonfinite_updates": nonfinite,
-               "best_checkpoint_step": _best_step(workdir), "faults": faults}
+    summary = {"agents": history.summary(), "steps": total_steps, "nonfinite_updates": nonfinite, "faults": faults}
     write_json(os.path.join(workdir, "summary.json"), summary)
     for name, s in summary["agents"].items():
+        best = "no step beat the base model (step 0)" if s["best_is_base"] else f"at step {s['best_step']}"
         tqdm.write(f"{name}: eval accuracy {s['initial_accuracy']} -> {s['final_accuracy']} "
-                   f"(best {s['best_accuracy']} at step {s['best_step']})")
+                   f"(best {s['best_accuracy']} {best})")
     return summary
 
 
@@ -189,14 +168,12 @@ def _check_nonfinite(counts: dict[str, int], limit: int, step: int) -> None:
 
 
 def _snapshot(cohort: Cohort, stream: PromptStream, step: int, history: EvalHistory, nonfinite: dict,
-              faults: list[str], metric: float | None) -> Snapshot:
+              faults: list[str], accuracies: dict[str, float] | None) -> Snapshot:
     state = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
     return Snapshot(step=step, state=state, data_state=stream.get_state(),
                     rng={a.name: a.key for a in cohort.agents},
-                    metadata={"eval_history": {n: {str(s): v for s, v in h.items()}
-                                               for n, h in history.by_agent.items()},
-                              "nonfinite": nonfinite, "faults": faults},
-                    metric=metric)
+                    metadata={"eval_history": history.to_json(), "nonfinite": nonfinite, "faults": faults},
+                    metric=accuracies)  # per agent: the checkpointer keeps every agent's best step
 
 
 def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, fallback: bool):
@@ -209,13 +186,7 @@ def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, f
         agent.opt_state = snap.state[agent.name]["opt_state"]
         agent.key = snap.rng[agent.name]
     stream.set_state(snap.data_state)
-    history = EvalHistory({n: {int(s): v for s, v in h.items()}
-                           for n, h in snap.metadata.get("eval_history", {}).items()})
+    history = EvalHistory.from_json(snap.metadata.get("eval_history", {}))
     faults = [f"checkpoint step {bad} was damaged ({why}); moved to {checkpointer.rejected_directory}, resumed from "
               f"step {snap.step}" for bad, why in checkpointer.rejected.items()]
     return snap.step, history, dict(snap.metadata.get("nonfinite", {})), snap.metadata.get("faults", []) + faults
-
-
-def _best_step(workdir: str) -> int | None:
-    with Checkpointer(workdir) as c:
-        return c.best_step()

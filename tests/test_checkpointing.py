@@ -75,19 +75,54 @@ def test_keeps_the_last_n_plus_the_best_across_restarts(tmp_path):
         for step, metric in metrics.items():
             checkpointer.save(snapshot(step, metric=metric))
         checkpointer.wait()
-        assert checkpointer.all_steps() == [3, 5, 6] and checkpointer.best_step() == 3  # earliest of equal bests
+        assert checkpointer.all_steps() == [3, 5, 6] and checkpointer.best_steps() == {"value": 3}  # earliest of =
     with Checkpointer(str(tmp_path), keep_last=2) as checkpointer:
         for step in (7, 8):
             checkpointer.save(snapshot(step))
         checkpointer.save(snapshot(9, metric=0.6))
         checkpointer.wait()
-        assert checkpointer.all_steps() == [3, 8, 9] and checkpointer.best_step() == 3
+        assert checkpointer.all_steps() == [3, 8, 9] and checkpointer.best_steps() == {"value": 3}
         assert sorted(os.listdir(checkpointer.directory)) == ["3", "8", "9"]
     with Checkpointer(str(tmp_path / "plain"), keep_last=1, keep_best=False) as checkpointer:
         for step, metric in metrics.items():
             checkpointer.save(snapshot(step, metric=metric))
         checkpointer.wait()
         assert checkpointer.all_steps() == [6]
+
+
+def test_keeps_every_keys_best_step(tmp_path):
+    """Per-agent metrics: each agent's own best step survives keep_last, even when the mean would drop it."""
+    metrics = {1: {"a": 0.2, "b": 0.9}, 2: {"a": 0.6, "b": 0.1}, 3: {"a": 0.6, "b": 0.5}, 4: None,
+               5: {"a": 0.4, "b": 0.4}, 6: None}
+    with Checkpointer(str(tmp_path), keep_last=1) as checkpointer:
+        for step, metric in metrics.items():
+            checkpointer.save(snapshot(step, metric=metric))
+        checkpointer.wait()
+        assert checkpointer.best_steps() == {"a": 2, "b": 1}
+        assert checkpointer.all_steps() == [1, 2, 6]
+    with Checkpointer(str(tmp_path), keep_last=1) as checkpointer:  # a restart keeps them too
+        checkpointer.save(snapshot(7, metric={"a": 0.7, "b": 0.0}))
+        checkpointer.wait()
+        assert checkpointer.best_steps() == {"a": 7, "b": 1} and checkpointer.all_steps() == [1, 7]
+        assert checkpointer.read_meta(7)["metric"] == {"a": 0.7, "b": 0.0}
+    with pytest.raises(ValueError, match="not finite"):
+        Checkpointer(str(tmp_path / "nan")).save(snapshot(1, metric={"a": float("nan")}))
+
+
+def test_restore_subtree_reads_only_the_named_part(tmp_path):
+    _, state = train_state()
+    with Checkpointer(str(tmp_path)) as checkpointer:
+        checkpointer.save(Snapshot(step=1, state=state, data_state={}, rng={}))
+        checkpointer.wait()
+        shapes = jax.tree.map(lambda m: m.shape, checkpointer.state_metadata(1))
+        assert shapes["llama"]["params"] == {"w": (4, 3), "b": (3,)}
+        target = {"llama": {"params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding), state["llama"]["params"])}}
+        restored = checkpointer.restore_subtree(1, target)
+    assert set(restored) == {"llama"} and set(restored["llama"]) == {"params"}
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state["llama"]["params"]), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
 
 
 def test_damaged_checkpoint_is_reported_and_never_deleted(tmp_path):
