@@ -179,11 +179,13 @@ class Sampler:
             ids, mask = (jax.device_put(x, batch_sharding(x.shape, self.mesh, self.rules)) for x in (ids, mask))
         graphdef, state = nnx.split(self.model)
         new_bucket = round_up(max_new_tokens, self.buckets.new_tokens)
-        program = self._program(graphdef, state, ids, mask, key, num_samples, new_bucket, params)
+        program = self.program(graphdef, state, ids, mask, key, num_samples, new_bucket, params)
         out = program(state, ids, mask, self.stop_ids, np.int32(max_new_tokens), key)
         return jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
 
-    def _program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
+    def program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
+        """The compiled program of a bucket (compiled on first use). The arrays only give shapes and shardings:
+        `jax.ShapeDtypeStruct`s compile without weights (`corl_jax.compile_check`)."""
         bucket = dict(prompts=ids.shape[0], samples=num_samples, prompt_width=ids.shape[1], new_tokens=new_bucket,
                       kv_block=self.buckets.kv_block, params=params, attention=self.attention)
         cache_key = (graphdef, str(key.dtype), key.shape, tuple(bucket.items()))  # typed or raw uint32 keys
