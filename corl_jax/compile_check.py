@@ -224,13 +224,19 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
             "programs": programs}
 
 
-def check(config, topology: str, placement: str, prompt_len: int) -> dict:
-    """Compile every agent for `topology` with `placement`; per-chip memory and the fit."""
+def check(config, topology: str, placement: str, prompt_len: int, cache: dict | None = None) -> dict:
+    """Compile every agent for `topology` with `placement`; per-chip memory and the fit. `cache` (a dict) reuses an
+    agent's compiled figures for the same model, chip kind and mesh shape (e.g. across placements and slices)."""
     devices, hbm_gib = topology_devices(topology)
     meshes = agent_meshes(config, devices, placement)
-    agents = {name: compile_agent(config, name, mesh, prompt_len) for name, mesh in zip(config.agents, meshes)}
-    for report, mesh in zip(agents.values(), meshes):
-        report["mesh"] = dict(mesh.shape)
+    cache = {} if cache is None else cache
+    agents = {}
+    for name, mesh in zip(config.agents, meshes):
+        key = (config.agents[name].model_path, devices[0].device_kind, tuple(mesh.shape.items()), prompt_len,
+               config.grpo.micro_batch_size, config.grpo.remat)
+        if key not in cache:
+            cache[key] = compile_agent(config, name, mesh, prompt_len)
+        agents[name] = dict(cache[key], mesh=dict(mesh.shape))
     peak_transient = lambda a: max(p["transient"] for p in a["programs"].values())  # noqa: E731
     if placement == "shared":  # every agent's state lives on every chip; the programs run one at a time
         peaks = {name: sum(a["resident"] for a in agents.values()) + peak_transient(agents[name])
