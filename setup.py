@@ -36,12 +36,15 @@ EXTRAS = {
         "gguf>=0.10",
         "accelerate>=1.0",
         "datasets>=3.0",
+        # libtpu (213 MB wheel) compiles for TPU slices on a CPU host: tests/test_compile_check.py
+        "jax[tpu]>=0.10.2,<0.13; sys_platform == 'linux' and platform_machine == 'x86_64'",
     ],
     # Hugging Face hub datasets as a training source (`hf:<name>[:split]`).
     "hf": ["datasets>=3.0"],
     # plots of the evidence scripts under experiments/
     "experiments": ["matplotlib>=3.8"],
     "gpu": ["jax[cuda13]>=0.10.2,<0.13"],
+    # Cloud TPU VMs (tpu_scripts/launch.sh installs it on every worker); also `corl_jax.compile_check` on any host
     "tpu": ["jax[tpu]>=0.10.2,<0.13"],
 }
 

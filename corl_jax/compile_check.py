@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import numpy as np
@@ -92,13 +93,15 @@ def topology_devices(topology: str) -> tuple[list, float | None]:
     from jax.experimental import topologies
 
     t = TOPOLOGIES[topology]
+    # compiling touches no TPU: let several processes load libtpu (else the second one fails on its lockfile)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         desc = topologies.get_topology_desc(t.name, "tpu", chip_config_name=t.chip_config,
                                             chips_per_host_bounds=t.chips_per_host_bounds, num_slices=1)
     except RuntimeError as e:
-        raise RuntimeError(f"cannot compile for {topology}: {str(e).splitlines()[0]}. Fix: `pip install "
-                           "'libtpu==0.0.42.*'` (the pin of jax[tpu] 0.10.2) or set TPU_LIBRARY_PATH to its libtpu.so; "
-                           "or use --topology=cpu for CPU estimates") from None
+        fix = ("`pip install 'libtpu==0.0.42.*'` (the pin of jax[tpu] 0.10.2) or set TPU_LIBRARY_PATH to its "
+               "libtpu.so; or use --topology=cpu for CPU estimates") if "not installed" in str(e) else "see above"
+        raise RuntimeError(f"cannot compile for {topology}: {str(e).splitlines()[0]}. Fix: {fix}") from None
     return list(desc.devices), t.hbm_gib
 
 
@@ -154,8 +157,21 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _memory(compiled) -> dict:
-    m = compiled.memory_analysis()
+def _compiled_memory(compile) -> dict:
+    """Per-chip argument/output/alias/temp bytes of `compile()`'s program. libtpu refuses to compile a program whose
+    temporaries exceed the chip's HBM: that is a result ("oom", with the temp bytes it asked for), not an error."""
+    import re
+
+    import jax
+
+    try:
+        m = compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        need = re.search(r"RESOURCE_EXHAUSTED: .*?temporaries \(([\d.]+)([KMGT])\)", str(e))
+        if need is None:
+            raise
+        temp = float(need.group(1)) * 1024 ** " KMGT".index(need.group(2))
+        return {"argument": 0, "output": 0, "alias": 0, "temp": int(temp), "oom": str(e).splitlines()[0][:200]}
     return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
 
 
@@ -192,8 +208,9 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
     sample = SamplingParams(temperature=r.temperature or 1.0, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                             greedy=r.temperature == 0)
-    sampler_program = sampler.program(graphdef, params, sds((P, width), jnp.int32), sds((P, width), bool), key, G,
-                                      round_up(r.max_new_tokens, buckets.new_tokens), sample)
+    sampler_memory = _compiled_memory(lambda: sampler.program(
+        graphdef, params, sds((P, width), jnp.int32), sds((P, width), bool), key, G,
+        round_up(r.max_new_tokens, buckets.new_tokens), sample))
 
     batch = P * G
     optimizer = make_optimizer(o.learning_rate, config.train.max_steps, warmup_ratio=o.warmup_ratio,
@@ -210,16 +227,18 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     settings = cohort.UpdateSettings(loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,
                                      num_micro=batch // g.micro_batch_size, chunk_size=g.logprob_chunk_size,
                                      temperature=r.temperature if r.temperature > 0 else 1.0)
-    update_program = cohort.update.lower(graphdef, optimizer, params, opt_state, update_batch, settings).compile()
+    update_memory = _compiled_memory(
+        lambda: cohort.update.lower(graphdef, optimizer, params, opt_state, update_batch, settings).compile())
 
     def per_chip(tree) -> int:  # bytes of one chip's shard of every leaf
         return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
                        for x in jax.tree.leaves(tree)))
 
     resident = per_chip(params) * (2 if g.beta > 0 else 1) + per_chip(opt_state)  # + frozen reference when beta > 0
-    programs = {"sampler": _memory(sampler_program), "update": _memory(update_program)}
-    for mem in programs.values():
-        mem["transient"] = max(0, mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] - resident)
+    programs = {"sampler": sampler_memory, "update": update_memory}
+    for mem in programs.values():  # (an "oom" program's arguments are at least the resident state: its temp counts)
+        mem["transient"] = mem["temp"] if "oom" in mem else max(
+            0, mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] - resident)
     return {"model_path": spec.model_path, "decode_attention": sampler.attention, "resident": resident,
             "programs": programs}
 
@@ -245,7 +264,8 @@ def check(config, topology: str, placement: str, prompt_len: int, cache: dict | 
         peaks = {name: a["resident"] + peak_transient(a) for name, a in agents.items()}
     for name, a in agents.items():
         a["peak_per_chip"] = peaks[name]
-        a["fits"] = None if hbm_gib is None else peaks[name] <= hbm_gib * _GIB
+        oom = any("oom" in p for p in a["programs"].values())
+        a["fits"] = None if hbm_gib is None else (not oom and peaks[name] <= hbm_gib * _GIB)
     return {"topology": topology, "platform": devices[0].platform, "device_kind": devices[0].device_kind,
             "chips": len(devices), "hbm_gib_per_chip": hbm_gib, "placement": placement, "prompt_len": prompt_len,
             "max_new_tokens": config.rollout.max_new_tokens, "micro_batch_size": config.grpo.micro_batch_size,
@@ -264,7 +284,7 @@ def format_report(report: dict) -> str:
     for name, a in report["agents"].items():
         mesh = ",".join(f"{k}={v}" for k, v in a["mesh"].items())
         for prog, m in a["programs"].items():
-            fits = {True: "yes", False: "NO", None: "?"}[a["fits"]]
+            fits = {True: "yes", False: "NO", None: "?"}[a["fits"]] + (" (libtpu: out of HBM)" if "oom" in m else "")
             lines.append(f"  {name:<10} {mesh:<28} {prog:<8} {gib(m['argument'])}  {gib(m['output'])}   "
                          f"{gib(m['temp'])}   {gib(a['resident'])}   {gib(a['peak_per_chip'])}  {fits}")
     return "\n".join(lines)

@@ -75,3 +75,4 @@ def test_the_paper_models_have_the_shapes_of_their_checkpoints():
         n = (c.vocab_size * D * (1 if c.tie_word_embeddings else 2) + L * (
             D * (c.num_heads + 2 * c.num_kv_heads) * hd + c.num_heads * hd * D + 3 * D * c.intermediate_size))
         assert abs(n - size) / size < 0.01, (path, n)
+
