@@ -146,7 +146,7 @@ class Sampler:
         self.compiler_options = dict(compiler_options)
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"unknown decode attention {attention!r}; use one of {ATTENTION_IMPLS}")
-        if attention == "auto":  # (an explicit "pallas" with a head_dim the kernel cannot tile fails in `decode_attention`)
+        if attention == "auto":  # (an explicit "pallas" with a head_dim the kernel cannot tile fails in the kernel)
             fits = self.platform in ("gpu", "tpu") and supports_head_dim(model.config.head_dim, self.platform)
             attention = "pallas" if fits else "xla"
         self.attention = attention
