@@ -216,10 +216,12 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     optimizer = make_optimizer(o.learning_rate, config.train.max_steps, warmup_ratio=o.warmup_ratio,
                                min_lr_rate=o.min_lr_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                max_grad_norm=o.max_grad_norm)
-    init = jax.jit(optimizer.init).lower(params).compile()
-    opt_state = jax.tree.map(  # constants (step counts) come back on one device: replicate them as the run does
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s if isinstance(s, NamedSharding) else replicated),
-        jax.eval_shape(optimizer.init, params), init.output_shardings)
+    # AdamW's moments sharded like the parameters of their shape (XLA gives `jax.jit(optimizer.init)`'s zeros no
+    # sharding of their own), step counts replicated
+    like = {(v.shape, v.dtype): v.sharding for v in jax.tree.leaves(params)}
+    opt_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                            sharding=like.get((a.shape, a.dtype), replicated)),
+                             jax.eval_shape(optimizer.init, params))
     T = width + r.max_new_tokens
     update_batch = {"tokens": sds((batch, T), jnp.int32), "attention": sds((batch, T), bool),
                     "completion_mask": sds((batch, r.max_new_tokens), jnp.float32),
