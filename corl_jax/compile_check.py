@@ -327,8 +327,9 @@ def main(argv):
 def _define_flags():
     from absl import flags
 
-    import corl_jax.train  # noqa: F401  (defines --config, with its overrides, exactly as the trainer reads it)
+    from corl_jax.train import define_flags
 
+    define_flags()  # --config with its overrides, exactly as the trainer reads it
     flags.DEFINE_string("topology", None, f"TPU slice ({', '.join(TOPOLOGIES)}) or 'cpu'.")
     flags.DEFINE_enum("placement", "both", ["shared", "partitioned", "both"], "Agent placement(s) to check.")
     flags.DEFINE_integer("prompt_len", 0, "Prompt width in tokens (0: the config's rollout.max_prompt_len).")
