@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 
 DTYPES = ("bfloat16", "float32")
 
@@ -41,7 +41,7 @@ def export(workdir: str, out: str, *, step: str | int = "best", agents: list[str
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {DTYPES}")
     run = open_run(workdir)
-    agents = list(run.agents) if not agents else agents
+    agents = list(run.agents) if not agents else list(dict.fromkeys(agents))  # (a repeated name exports once)
     steps = {agent: run.resolve_step(agent, step) for agent in agents}  # every bad agent/step before any write
     targets = {agent: Path(out) / agent for agent in agents}
     for target in targets.values():
@@ -60,7 +60,9 @@ def _write_atomically(target: Path, write) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would otherwise be the export's mode
+        os.chmod(tmp, 0o755)  # mkdtemp's (and safetensors') owner-only modes would otherwise be the export's
+        for file in tmp.iterdir():
+            os.chmod(file, 0o644)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -72,6 +74,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}", exitcode=2)
     if not _WORKDIR.value or not _OUT.value:
         raise app.UsageError("both --workdir=DIR (a run of corl_jax.train) and --out=OUT are required", exitcode=2)
+    if not flags.FLAGS["verbosity"].present:  # keep the console to the result lines; --verbosity=0 shows INFO logs
+        logging.set_verbosity(logging.WARNING)
     try:
         written = export(_WORKDIR.value, _OUT.value, step=_STEP.value, agents=_AGENTS.value, dtype=_DTYPE.value)
     except (ValueError, FileNotFoundError) as e:  # runs.RunError and the loaders' errors: one line naming the fix
