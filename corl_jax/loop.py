@@ -10,7 +10,6 @@ import ml_collections
 from absl import logging
 from tqdm import tqdm
 
-from corl_jax.answers import math as math_answers
 from corl_jax.checkpointing import Checkpointer, Snapshot
 from corl_jax.cohort import Cohort, load_agents
 from corl_jax.data import PromptStream, load_train_and_eval
@@ -21,7 +20,8 @@ from corl_jax.runs import EvalHistory
 def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
     """Ground-truth accuracy per agent: the mean over `train.eval_samples_per_prompt` samples per prompt (the
     reference: 1) at `train.eval_temperature` (the reference: 0.6), graded against the gold answer with the method's
-    grader (§1.12, §6.1). More samples per prompt shrink the sampling noise of a before/after comparison."""
+    grader, or for code by the problem's tests (pass@1) (§1.12, §6.1). More samples per prompt shrink the sampling
+    noise of a before/after comparison."""
     t = cohort.config.train
     k = t.eval_samples_per_prompt
     accuracies = {}
@@ -34,8 +34,8 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
             rollouts = cohort.finish(agent, cohort.sample(agent, texts, key, num_samples=k,
                                                           max_new_tokens=t.eval_max_new_tokens,
                                                           temperature=t.eval_temperature))
-            correct += sum(cohort.grader(math_answers.extract_answer(text), chunk[i // k].answer)
-                           for i, text in enumerate(rollouts.texts))  # prompt-major: row p*k + j
+            correct += sum(cohort.task.eval_correct(  # prompt-major: row p*k + j
+                rollouts.texts, [chunk[i // k] for i in range(len(rollouts.texts))]))
         accuracies[agent.name] = correct / (len(problems) * k)
     return accuracies
 
