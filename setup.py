@@ -37,7 +37,12 @@ EXTRAS = {
         "gguf>=0.10",
         "accelerate>=1.0",
         "datasets>=3.0",
+        # the lm-eval backend's test (against lm-eval's hf model) and eval's plot; ~35 s to install
+        "lm-eval>=0.4.13,<0.5",
+        "matplotlib>=3.8",
     ],
+    # the lm-evaluation-harness backend (`corl-lm-eval --model corl_jax`) and eval's accuracy plot
+    "eval": ["lm-eval>=0.4.13,<0.5", "matplotlib>=3.8"],
     # Hugging Face hub datasets as a training source (`hf:<name>[:split]`).
     "hf": ["datasets>=3.0"],
     # plots of the evidence scripts under experiments/
@@ -55,4 +60,5 @@ setup(
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
+    entry_points={"console_scripts": ["corl-lm-eval=corl_jax.lm_eval_model:main"]},
 )
