@@ -177,7 +177,7 @@ def test_nonfinite_state_is_never_saved_nor_restored(tmp_path):
         with pytest.raises(NonFiniteStateError, match="llama/params/w"):
             checkpointer.save(snapshot(2, state=poisoned, metric=1.0))
         checkpointer.wait()
-        assert checkpointer.all_steps() == [1] and checkpointer.best_steps() == {}
+        assert checkpointer.all_steps() == [1] and sorted(os.listdir(checkpointer.directory)) == ["1"]  # no trace
         # a checkpoint written without fingerprints (an older version of this module) still gets the finiteness check
         checkpointer._manager.save(3, args=ocp.args.Composite(
             state=ocp.args.StandardSave(poisoned), data=ocp.args.JsonSave({}), rng=ocp.args.JsonSave({}),
