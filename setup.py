@@ -48,6 +48,7 @@ EXTRAS = {
     # plots of the evidence scripts under experiments/
     "experiments": ["matplotlib>=3.8"],
     "gpu": ["jax[cuda13]>=0.10.2,<0.13"],
+    # Cloud TPU VMs (tpu_scripts/launch.sh installs it on every worker); also `corl_jax.compile_check` on any host
     "tpu": ["jax[tpu]>=0.10.2,<0.13"],
 }
 

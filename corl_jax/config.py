@@ -77,7 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
             "top_p": 1.0,
             "top_k": 0,
             "min_p": 0.0,
-            "decode_attention": "auto",  # attention over the KV cache: auto (pallas kernel on GPUs) / pallas / xla
+            "decode_attention": "auto",  # attention over the KV cache: auto (pallas kernel on GPUs/TPUs) / pallas / xla
     })
     c.grpo = ml_collections.ConfigDict({
             "loss_type": "bnpo",

@@ -56,20 +56,24 @@ def default_sampling() -> ConfigDict:
 
 DEFAULT_MAX_NEW_TOKENS = 3072
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (config.json, checkpoints/).")
-_STEP = flags.DEFINE_string("step", "base,latest,best",
-                            "Workdir checkpoints: comma list of base, latest, best (each agent's own), step numbers, "
-                            "or all (base and every kept step).")
-_AGENTS = flags.DEFINE_list("agents", None, "Agents of the workdir to evaluate (default: all).")
-_MODEL_PATH = flags.DEFINE_multi_string("model_path", [], "A Hugging Face checkpoint directory (repeatable).")
-_BENCHMARKS = flags.DEFINE_list("benchmarks", ["arithmetic", "math500"],
-                                f"Benchmarks: names from {sorted(bm.BENCHMARKS)}, 'paper' (the reference's seven) "
-                                "or 'all'.")
-_OUT = flags.DEFINE_string("out", None, "Output directory (default: <workdir>/eval, or ./eval).")
-_DATA = config_flags.DEFINE_config_dict(
-    "data", ConfigDict({name: b.default_source or "" for name, b in bm.BENCHMARKS.items()}),
-    "Data source per benchmark: a .json/.jsonl/.parquet file or hf:<name>[:split].")
-_SAMPLING = config_flags.DEFINE_config_dict("sampling", default_sampling(), "Sampling settings.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line (defined only when the command runs, so the CLI modules import side by side)."""
+    flags.DEFINE_string("workdir", None, "A training run's directory (config.json, checkpoints/).")
+    flags.DEFINE_string("step", "base,latest,best",
+                        "Workdir checkpoints: comma list of base, latest, best (each agent's own), step numbers, "
+                        "or all (base and every kept step).")
+    flags.DEFINE_list("agents", None, "Agents of the workdir to evaluate (default: all).")
+    flags.DEFINE_multi_string("model_path", [], "A Hugging Face checkpoint directory (repeatable).")
+    flags.DEFINE_list("benchmarks", ["arithmetic", "math500"],
+                      f"Benchmarks: names from {sorted(bm.BENCHMARKS)}, 'paper' (the reference's seven) or 'all'.")
+    flags.DEFINE_string("out", None, "Output directory (default: <workdir>/eval, or ./eval).")
+    config_flags.DEFINE_config_dict(
+        "data", ConfigDict({name: b.default_source or "" for name, b in bm.BENCHMARKS.items()}),
+        "Data source per benchmark: a .json/.jsonl/.parquet file or hf:<name>[:split].")
+    config_flags.DEFINE_config_dict("sampling", default_sampling(), "Sampling settings.")
 
 
 @dataclasses.dataclass
@@ -419,28 +423,29 @@ def run(candidates: Sequence[Candidate], benches: dict[str, list[bm.Item]], sett
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not _WORKDIR.value and not _MODEL_PATH.value:
+    if not FLAGS.workdir and not FLAGS.model_path:
         _fail("nothing to evaluate. Fix: pass --workdir=DIR (a training run) and/or --model_path=HF_DIR")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    settings = _SAMPLING.value
+    settings = FLAGS.sampling
     try:
-        benches = load_benchmarks(resolve_benchmarks(_BENCHMARKS.value), _DATA.value.to_dict(), settings.max_problems)
+        benches = load_benchmarks(resolve_benchmarks(FLAGS.benchmarks), FLAGS.data.to_dict(),
+                                  settings.max_problems)
         if not benches:
             _fail("no benchmark has data. Fix: pass --data.<benchmark>=FILE for one of them")
-        candidates = workdir_candidates(_WORKDIR.value, _STEP.value, _AGENTS.value) if _WORKDIR.value else []
-        for path in _MODEL_PATH.value:
+        candidates = workdir_candidates(FLAGS.workdir, FLAGS.step, FLAGS.agents) if FLAGS.workdir else []
+        for path in FLAGS.model_path:
             model = load_model(os.path.basename(os.path.normpath(path)), path, dtype=settings.dtype)
             candidates.append(Candidate(ckpt=path, revision="model", agent=model))
         records = run(candidates, benches, settings)
     except (DataError, ValueError, FileNotFoundError, NotADirectoryError) as e:  # RunError is a ValueError
         _fail(str(e))
-    out = _OUT.value or (os.path.join(_WORKDIR.value, "eval") if _WORKDIR.value else "eval")
-    summary = write_outputs(out, candidates, records, list(benches), settings, _DATA.value.to_dict(), sys.argv)
+    out = FLAGS.out or (os.path.join(FLAGS.workdir, "eval") if FLAGS.workdir else "eval")
+    summary = write_outputs(out, candidates, records, list(benches), settings, FLAGS.data.to_dict(), sys.argv)
     table = format_table(candidates, summary, list(benches))
     print(table)
-    if _WORKDIR.value:
-        plot_eval_history(_WORKDIR.value, table, os.path.join(out, "eval_accuracy.png"))
+    if FLAGS.workdir:
+        plot_eval_history(FLAGS.workdir, table, os.path.join(out, "eval_accuracy.png"))
     print(f"eval: results.csv, results.json and samples.json in {out}")
 
 
@@ -450,4 +455,5 @@ def _fail(message: str) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

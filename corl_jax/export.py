@@ -20,12 +20,17 @@ from absl import app, flags, logging
 
 DTYPES = ("bfloat16", "float32")
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by corl_jax.train.")
-_OUT = flags.DEFINE_string("out", None, "Output directory; one Hugging Face checkpoint per agent in OUT/<agent>/.")
-_STEP = flags.DEFINE_string("step", "best", "best (each agent's own best eval step), latest, or a step number "
-                            "(0 = the base model).")
-_AGENTS = flags.DEFINE_list("agents", None, "Agents to export (default: all of the run).")
-_DTYPE = flags.DEFINE_string("dtype", "bfloat16", f"Weight dtype of the export: one of {DTYPES}.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line (defined only when the command runs, so the CLI modules import side by side)."""
+    flags.DEFINE_string("workdir", None, "Run directory written by corl_jax.train.")
+    flags.DEFINE_string("out", None, "Output directory; one Hugging Face checkpoint per agent in OUT/<agent>/.")
+    flags.DEFINE_string("step", "best", "best (each agent's own best eval step), latest, or a step number "
+                        "(0 = the base model).")
+    flags.DEFINE_list("agents", None, "Agents to export (default: all of the run).")
+    flags.DEFINE_string("dtype", "bfloat16", f"Weight dtype of the export: one of {DTYPES}.")
 
 
 def export(workdir: str, out: str, *, step: str | int = "best", agents: list[str] | None = None,
@@ -72,12 +77,12 @@ def _write_atomically(target: Path, write) -> Path:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}", exitcode=2)
-    if not _WORKDIR.value or not _OUT.value:
+    if not FLAGS.workdir or not FLAGS.out:
         raise app.UsageError("both --workdir=DIR (a run of corl_jax.train) and --out=OUT are required", exitcode=2)
     if not flags.FLAGS["verbosity"].present:  # keep the console to the result lines; --verbosity=0 shows INFO logs
         logging.set_verbosity(logging.WARNING)
     try:
-        written = export(_WORKDIR.value, _OUT.value, step=_STEP.value, agents=_AGENTS.value, dtype=_DTYPE.value)
+        written = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, agents=FLAGS.agents, dtype=FLAGS.dtype)
     except (ValueError, FileNotFoundError) as e:  # runs.RunError and the loaders' errors: one line naming the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -86,4 +91,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -14,10 +14,15 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file, optionally with ':variant'.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard, summary.")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", None, "Call jax.distributed.initialize() (default: when a multi-host environment is detected).")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The trainer's command line (defined only when a command runs, so the CLI modules import side by side)."""
+    config_flags.DEFINE_config_file("config", None, "Experiment config file, optionally with ':variant'.")
+    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard, summary.")
+    flags.DEFINE_bool("distributed", None,
+                      "Call jax.distributed.initialize() (default: when a multi-host environment is detected).")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -51,16 +56,16 @@ def _multi_host_environment() -> bool:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _CONFIG.value is None or not _WORKDIR.value:
+    if FLAGS.config is None or not FLAGS.workdir:
         raise app.UsageError("both --config=configs/<name>.py[:variant] and --workdir=DIR are required")
     if not flags.FLAGS["verbosity"].present:  # keep the console to the progress bar; --verbosity=0 shows INFO logs
         logging.set_verbosity(logging.WARNING)
-    distributed = _DISTRIBUTED.value if _DISTRIBUTED.value is not None else _multi_host_environment()
+    distributed = FLAGS.distributed if FLAGS.distributed is not None else _multi_host_environment()
     if distributed:
         import jax
 
         jax.distributed.initialize()
-    sys.exit(run(_CONFIG.value, _WORKDIR.value))
+    sys.exit(run(FLAGS.config, FLAGS.workdir))
 
 
 def run(config, workdir: str) -> int:
@@ -98,4 +103,5 @@ def run(config, workdir: str) -> int:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main, flags_parser=_parse_flags)
