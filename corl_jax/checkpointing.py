@@ -116,10 +116,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def best_steps(self) -> dict[str, int]:
-        """Per metric key, the kept step with its greatest value (earliest among equals)."""
-        return _best_per_key([(s, self._manager.metrics(s)) for s in self.all_steps()])
-
     def read_meta(self, step: int) -> dict[str, Any]:
         """The `meta` item of `step` alone: {"step", "metric", "metadata"}."""
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 
 DTYPES = ("bfloat16", "float32")
 
@@ -46,7 +46,7 @@ def export(workdir: str, out: str, *, step: str | int = "best", agents: list[str
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {DTYPES}")
     run = open_run(workdir)
-    agents = list(run.agents) if not agents else agents
+    agents = list(run.agents) if not agents else list(dict.fromkeys(agents))  # (a repeated name exports once)
     steps = {agent: run.resolve_step(agent, step) for agent in agents}  # every bad agent/step before any write
     targets = {agent: Path(out) / agent for agent in agents}
     for target in targets.values():
@@ -65,7 +65,9 @@ def _write_atomically(target: Path, write) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would otherwise be the export's mode
+        os.chmod(tmp, 0o755)  # mkdtemp's (and safetensors') owner-only modes would otherwise be the export's
+        for file in tmp.iterdir():
+            os.chmod(file, 0o644)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -77,6 +79,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}", exitcode=2)
     if not FLAGS.workdir or not FLAGS.out:
         raise app.UsageError("both --workdir=DIR (a run of corl_jax.train) and --out=OUT are required", exitcode=2)
+    if not flags.FLAGS["verbosity"].present:  # keep the console to the result lines; --verbosity=0 shows INFO logs
+        logging.set_verbosity(logging.WARNING)
     try:
         written = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, agents=FLAGS.agents, dtype=FLAGS.dtype)
     except (ValueError, FileNotFoundError) as e:  # runs.RunError and the loaders' errors: one line naming the fix

@@ -97,7 +97,7 @@ class Run:
         if step == "latest":
             return self.steps[-1]
         if step == "best":
-            best = self.history.best_step(agent)
+            best = self.best_step(agent)
             if best is None:
                 raise RunError(f"agent {agent!r} of {self.workdir} was never evaluated, so it has no best step; "
                                f"use latest or one of the steps {list(self.steps)}")
