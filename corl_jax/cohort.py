@@ -114,12 +114,18 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
                                b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
     return Agent(
         name=name, index=index, policy=policy, graphdef=graphdef, params=params,
-        opt_state=jax.jit(optimizer.init)(params), optimizer=optimizer,
+        opt_state=_committed(jax.jit(optimizer.init)(params)), optimizer=optimizer,
         schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
         text_field=spec.text_field, chat_template=spec.chat_template or None,
         sampler=Sampler.from_policy(policy, stop_ids=stop_ids, attention=config.rollout.decode_attention),
         key=jax.random.key(config.seed + index),
         ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None)
+
+
+def _committed(tree):
+    """`tree` with every array committed to its device(s): `update` returns committed arrays, and an uncommitted
+    input (optax's fresh step count) would make the second step compile `update` again."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
 
 
 def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
@@ -337,9 +343,12 @@ class Cohort:
         if agent.ref_params is not None:
             batch["ref_logp"] = score_completions(agent.graphdef, agent.ref_params, batch["tokens"],
                                                   batch["attention"], prompt_len, self.settings)[0]
+        shardings = jax.tree.map(lambda x: x.sharding, (agent.params, agent.opt_state))
         for _ in range(g.num_iterations):
-            agent.params, agent.opt_state, metrics = update(agent.graphdef, agent.optimizer, agent.params,
-                                                            agent.opt_state, batch, self.settings)
+            params, opt_state, metrics = update(agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch,
+                                                self.settings)
+            # back on the input's (equivalent) shardings, so that every step reuses one compiled `update`
+            agent.params, agent.opt_state = jax.device_put((params, opt_state), shardings)
         c = rollouts.completions
         lengths, truncated = np.asarray(c.lengths), np.asarray(c.truncated)
         terminated = lengths[~truncated] if (~truncated).any() else np.zeros(1, lengths.dtype)
