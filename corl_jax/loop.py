@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -12,9 +14,9 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from corl_jax.answers import math as math_answers
 from corl_jax.checkpointing import Checkpointer, Snapshot
-from corl_jax.cohort import Cohort, load_agents
+from corl_jax import workdir as run_dir
+from corl_jax.cohort import Cohort, check_prompt_lengths, load_agents
 from corl_jax.data import PromptStream, load_train_and_eval
 from corl_jax.metrics import RunLog, write_json
 
@@ -43,7 +45,8 @@ class EvalHistory:
 def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
     """Ground-truth accuracy per agent: the mean over `train.eval_samples_per_prompt` samples per prompt (the
     reference: 1) at `train.eval_temperature` (the reference: 0.6), graded against the gold answer with the method's
-    grader (§1.12, §6.1). More samples per prompt shrink the sampling noise of a before/after comparison."""
+    grader, or for code by the problem's tests (pass@1) (§1.12, §6.1). More samples per prompt shrink the sampling
+    noise of a before/after comparison."""
     t = cohort.config.train
     k = t.eval_samples_per_prompt
     accuracies = {}
@@ -56,30 +59,71 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
             rollouts = cohort.finish(agent, cohort.sample(agent, texts, key, num_samples=k,
                                                           max_new_tokens=t.eval_max_new_tokens,
                                                           temperature=t.eval_temperature))
-            correct += sum(cohort.grader(math_answers.extract_answer(text), chunk[i // k].answer)
-                           for i, text in enumerate(rollouts.texts))  # prompt-major: row p*k + j
+            correct += sum(cohort.task.eval_correct(  # prompt-major: row p*k + j
+                rollouts.texts, [chunk[i // k] for i in range(len(rollouts.texts))]))
         accuracies[agent.name] = correct / (len(problems) * k)
     return accuracies
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Train (or resume) the run of `config` in `workdir`; returns the summary written to summary.json."""
-    os.makedirs(workdir, exist_ok=True)
+class Interrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving the step it had finished."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; its checkpoint is saved. "
+                         "Resume: run the same command again")
+        self.signum, self.step = signum, step
+
+
+class StopRequest:
+    """While active, SIGINT/SIGTERM only set `signum` (`train` then finishes its step, saves and raises
+    Interrupted). A second signal gets the previous handler: stop at once, the last checkpoint stands."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        tqdm.write(f"{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+                   "(signal again to stop at once without saving)")
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | None = None) -> dict:
+    """Train (or resume) the run of `config` in `workdir`; returns the summary written to summary.json.
+
+    Its "faults" list names what went wrong and was recovered from (a damaged checkpoint set aside), over the
+    whole run; `corl_jax.train` then exits non-zero. Once `stop` has caught a signal, the step in progress is
+    finished and saved, then Interrupted is raised."""
+    changes = run_dir.prepare(config, workdir)
     train_problems, eval_problems = load_train_and_eval(
         config.data, train_needs_answers=config.method == "gt_reward")
-    stream = PromptStream(train_problems, config.rollout.prompts_per_step, config.data_seed)
     total_steps = config.train.max_steps
     cohort = Cohort(config, load_agents(config, total_steps))
+    lengths = dict(max_prompt_len=config.rollout.max_prompt_len, skip_bad_rows=config.data.skip_bad_rows)
+    train_problems = check_prompt_lengths(cohort.agents, train_problems, **lengths)
+    eval_problems = check_prompt_lengths(cohort.agents, eval_problems, **lengths)
+    stream = PromptStream(train_problems, config.rollout.prompts_per_step, config.data_seed)
     # Synchronous saves: the next update donates the parameter buffers that a pending async save would still read.
     checkpointer = Checkpointer(workdir, keep_last=config.train.keep_last, async_save=False)
     history = EvalHistory({})
     nonfinite = {a.name: 0 for a in cohort.agents}
+    faults: list[str] = []
     start = 0
-    latest = checkpointer.latest_step() if config.train.resume else None
-    if latest is not None:
-        start, history, nonfinite = _restore(checkpointer, cohort, stream, latest)
+    if checkpointer.latest_step() is not None:
+        start, history, nonfinite, faults = _restore(checkpointer, cohort, stream, config.train.fallback_to_previous)
         logging.info("resumed from step %d of %s", start, workdir)
-    _write_config(config, workdir)
+    run_dir.record_config(config, workdir, start, changes)
     log = RunLog(workdir, resume_step=start)
 
     def maybe_eval(step: int) -> dict[str, float] | None:
@@ -109,18 +153,23 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         log.scalars(step, flat)
         if config.train.log_records:
             log.records(records)
-        accuracies = maybe_eval(step)
-        if step % config.train.save_every == 0 or step == total_steps:
+        stopping = stop is not None and stop.signum is not None
+        accuracies = None if stopping else maybe_eval(step)
+        if step % config.train.save_every == 0 or step == total_steps or stopping:
             metric = None if accuracies is None else float(np.mean(list(accuracies.values())))
-            checkpointer.save(_snapshot(cohort, stream, step, history, nonfinite, metric))
+            checkpointer.save(_snapshot(cohort, stream, step, history, nonfinite, faults, metric))
         bar.set_postfix({f"{n}": f"r={m['reward']:.2f}" for n, m in metrics.items()})
         bar.update(1)
+        if stopping:
+            checkpointer.close()
+            log.close()
+            raise Interrupted(stop.signum, step)
     bar.close()
     checkpointer.wait()
     checkpointer.close()
     log.close()
     summary = {"agents": history.summary(), "steps": total_steps, "nonfinite_updates": nonfinite,
-               "best_checkpoint_step": _best_step(workdir)}
+               "best_checkpoint_step": _best_step(workdir), "faults": faults}
     write_json(os.path.join(workdir, "summary.json"), summary)
     for name, s in summary["agents"].items():
         tqdm.write(f"{name}: eval accuracy {s['initial_accuracy']} -> {s['final_accuracy']} "
@@ -140,20 +189,21 @@ def _check_nonfinite(counts: dict[str, int], limit: int, step: int) -> None:
 
 
 def _snapshot(cohort: Cohort, stream: PromptStream, step: int, history: EvalHistory, nonfinite: dict,
-              metric: float | None) -> Snapshot:
+              faults: list[str], metric: float | None) -> Snapshot:
     state = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
     return Snapshot(step=step, state=state, data_state=stream.get_state(),
                     rng={a.name: a.key for a in cohort.agents},
                     metadata={"eval_history": {n: {str(s): v for s, v in h.items()}
                                                for n, h in history.by_agent.items()},
-                              "nonfinite": nonfinite},
+                              "nonfinite": nonfinite, "faults": faults},
                     metric=metric)
 
 
-def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, step: int):
+def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, fallback: bool):
+    """Load the latest good checkpoint into the cohort and the stream; (step, history, nonfinite, faults)."""
     target = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
-    snap = checkpointer.restore(step, state_target=jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target))
+    snap = checkpointer.restore(state_target=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target), fallback_to_previous=fallback)
     for agent in cohort.agents:
         agent.params = snap.state[agent.name]["params"]
         agent.opt_state = snap.state[agent.name]["opt_state"]
@@ -161,14 +211,11 @@ def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, s
     stream.set_state(snap.data_state)
     history = EvalHistory({n: {int(s): v for s, v in h.items()}
                            for n, h in snap.metadata.get("eval_history", {}).items()})
-    return snap.step, history, dict(snap.metadata.get("nonfinite", {}))
+    faults = [f"checkpoint step {bad} was damaged ({why}); moved to {checkpointer.rejected_directory}, resumed from "
+              f"step {snap.step}" for bad, why in checkpointer.rejected.items()]
+    return snap.step, history, dict(snap.metadata.get("nonfinite", {})), snap.metadata.get("faults", []) + faults
 
 
 def _best_step(workdir: str) -> int | None:
     with Checkpointer(workdir) as c:
         return c.best_step()
-
-
-def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))

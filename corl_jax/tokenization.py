@@ -96,8 +96,7 @@ def encode_prompts(tokenizer, problems: Sequence[str], *, max_prompt_len: int | 
     """
     if len(problems) == 0:
         raise ValueError("encode_prompts got no problems")
-    texts = [chat_prompt(tokenizer, p, chat_template=chat_template) for p in problems]
-    token_lists = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    token_lists = _prompt_tokens(tokenizer, problems, chat_template)
     lengths = [len(t) for t in token_lists]
     longest = max(lengths)
     if max_prompt_len is not None and longest > max_prompt_len:
@@ -116,6 +115,16 @@ def encode_prompts(tokenizer, problems: Sequence[str], *, max_prompt_len: int | 
         ids[row, width - len(tokens):] = tokens
         mask[row, width - len(tokens):] = True
     return ids, mask
+
+
+def prompt_lengths(tokenizer, problems: Sequence[str], *, chat_template: str | None = None) -> list[int]:
+    """The token count of each problem's chat prompt, as `encode_prompts` would encode it."""
+    return [len(tokens) for tokens in _prompt_tokens(tokenizer, problems, chat_template)] if problems else []
+
+
+def _prompt_tokens(tokenizer, problems: Sequence[str], chat_template: str | None) -> list[list[int]]:
+    texts = [chat_prompt(tokenizer, p, chat_template=chat_template) for p in problems]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def stop_token_ids(tokenizer, checkpoint_dir: str | os.PathLike) -> tuple[int, ...]:
