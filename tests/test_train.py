@@ -56,8 +56,16 @@ def test_tiny_variant_runs_end_to_end(name, tmp_path):
     agent = next(iter(config.agents.keys()))
     for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                 "completions/clipped_ratio", "entropy", "clip_ratio/region_mean", "grad_norm", "learning_rate",
-                "time/sampling", "time/update"):
+                "time/sampling", "time/update", "num_tokens", "completions/mean_terminated_length",
+                "clip_ratio/low_min", "clip_ratio/high_max", "sampling/importance_sampling_ratio/mean",
+                "sampling/sampling_logp_difference/max"):
         assert f"{agent}/{key}" in row, key
+    reward_name = {"rent": "reward_entropy", "intuitor": "reward_self_certainty"}.get(config.method,
+                                                                                     "reward_correctness")
+    assert row[f"{agent}/rewards/{reward_name}/mean"] == row[f"{agent}/reward"]
+    if config.method in ("rent", "intuitor"):
+        kind = "entropy" if config.method == "rent" else "self_certainty"
+        assert row[f"{agent}/intrinsic/{kind}/avg"] == pytest.approx(row[f"{agent}/reward"])
     split = ("time/rewards",) if config.method in ("rent", "intuitor") else ("time/answers", "time/vote")
     assert all(f"{agent}/{key}" in row for key in split)
     if config.method == "co_rl":
