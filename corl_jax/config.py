@@ -287,6 +287,7 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collect
         agent.compute_dtype = "float32"
     config.data.train_path, config.data.eval_path = variant_sources(variant)
     config.mesh.data = 1
+    config.grpo.reference_micro_batch_size = 2  # the variants' own small batches (the reference's usual 2 rows)
     config.grpo.remat = "none"  # tiny models: memory is no concern, and recomputing the forward costs CPU time
     if variant == "tiny":
         config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=16, max_prompt_len=384)
