@@ -120,10 +120,14 @@ def main(argv=None):
         subset = [token_lists[i] for chunk in batches([len(t) for t in token_lists], args.batch_prompts)
                   for i in chunk][:args.hf_problems]
         key = jax.random.key(0)
+        log = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+        log(f"ours: {len(token_lists)} problems, first pass (compiles)")
         full_s, full_tokens = run_ours(model, token_lists, settings, key)  # includes the compiles
         compile_s = sum(model.sampler.compile_seconds.values())
+        log(f"ours: first pass {full_s:.1f} s, {full_tokens} tokens; warm pass")
         again_s, again_tokens = run_ours(model, token_lists, settings, key)  # warm: every program compiled
         sub_s, sub_tokens = run_ours(model, subset, settings, key)
+        log(f"ours: warm pass {again_s:.1f} s; subset {sub_s:.1f} s, {sub_tokens} tokens; transformers on the subset")
         device = "cuda" if jax.default_backend() == "gpu" else "cpu"
         hf_s, hf_tokens = run_hf(directory, subset, settings, tokenizer.pad_token_id, tokenizer.eos_token_id, device)
     figures = {
