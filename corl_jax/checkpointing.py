@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 _policies = ocp.checkpoint_managers
 
@@ -47,12 +47,16 @@ class Checkpointer:
 
     Keeps the `keep_last` most recent steps and, with `keep_best`, also the step with the greatest metric (the
     earliest of equal ones, as the reference's BestKeeper takes only a strictly better value).
+    Orbax is multi-process aware: on several processes every process must construct, save and restore (each
+    writes its own shards; process 0 the metadata). `workdir` may be any `etils.epath` location (gs://...).
     """
 
-    def __init__(self, workdir: str, keep_last: int = 2, keep_best: bool = True, async_save: bool = True):
+    def __init__(self, workdir: str | epath.Path, keep_last: int = 2, keep_best: bool = True,
+                 async_save: bool = True):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: keep at least the latest checkpoint (1 or more)")
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        local = "://" not in str(workdir)
+        self.directory = (epath.Path(workdir).absolute() if local else epath.Path(workdir)) / "checkpoints"
         policies = [_policies.LatestN(n=keep_last)]
         if keep_best:
             policies.append(_policies.BestN(get_metric_fn=_rank, n=1, keep_checkpoints_without_metrics=False))
@@ -97,7 +101,7 @@ class Checkpointer:
         return self._manager.best_step() if any(self._manager.metrics(s) for s in self.all_steps()) else None
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return str(self.directory / str(step))
 
     def restore(self, step: int | None = None, *, state_target: Any = None,
                 fallback_to_previous: bool = False) -> Snapshot:

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from corl_jax import grpo, voting
+from corl_jax import grpo, multihost, voting
 from corl_jax.answers import math as math_answers
 from corl_jax.config import topology_of
 from corl_jax.data import PromptBlock
@@ -123,11 +123,15 @@ def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
     """One mesh per agent: the whole device set (shared) or disjoint equal slices of it (partitioned)."""
     devices = jax.devices()
     if config.placement == "partitioned":
-        if len(devices) < num_agents or len(devices) % num_agents:
-            raise ValueError(f"placement='partitioned' splits {len(devices)} devices among {num_agents} agents: "
-                             "needs a multiple of the agent count. Fix: use placement='shared' or more devices")
-        size = len(devices) // num_agents
-        groups = [devices[i * size:(i + 1) * size] for i in range(num_agents)]
+        # Each agent takes an equal share of every process's devices, so every agent spans every process (host
+        # reads gather through collectives, which need devices of each process). One process: contiguous slices.
+        local = [[d for d in devices if d.process_index == p] for p in range(jax.process_count())]
+        if len(local[0]) < num_agents or len(local[0]) % num_agents:
+            raise ValueError(f"placement='partitioned' splits the {len(local[0])} devices of each of "
+                             f"{len(local)} process(es) among {num_agents} agents: needs a multiple of the agent "
+                             "count per process. Fix: use placement='shared' or more devices")
+        size = len(local[0]) // num_agents
+        groups = [[d for ds in local for d in ds[i * size:(i + 1) * size]] for i in range(num_agents)]
     else:
         groups = [devices] * num_agents
     m = config.mesh
@@ -137,8 +141,9 @@ def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
         if data * m.fsdp * m.tensor > len(group):
             raise ValueError(f"mesh data={data} fsdp={m.fsdp} tensor={m.tensor} needs more than the "
                              f"{len(group)} devices of an agent. Fix: config.mesh.* or placement")
-        meshes.append(make_mesh(data=data, fsdp=m.fsdp, tensor=m.tensor,
-                                devices=group[:data * m.fsdp * m.tensor]))
+        used = group[:data * m.fsdp * m.tensor]
+        multihost.check_spans_processes(used, f"mesh data={data} fsdp={m.fsdp} tensor={m.tensor}")
+        meshes.append(make_mesh(data=data, fsdp=m.fsdp, tensor=m.tensor, devices=used))
     return meshes
 
 
@@ -238,9 +243,9 @@ class Cohort:
         return Rollouts(ids, mask, out)
 
     def finish(self, agent: Agent, rollouts: Rollouts) -> Rollouts:
-        """Fetch the completions and decode their texts (host)."""
-        c = rollouts.completions
-        rollouts.texts = decode_completions(agent.policy.tokenizer, np.asarray(c.tokens), np.asarray(c.mask))
+        """Fetch the completions (gathered from every process) and decode their texts (host)."""
+        tokens, mask = multihost.to_host((rollouts.completions.tokens, rollouts.completions.mask))
+        rollouts.texts = decode_completions(agent.policy.tokenizer, tokens, mask)
         return rollouts
 
     def step(self, block: PromptBlock, step: int) -> tuple[dict[str, dict[str, float]], list[dict]]:
@@ -259,14 +264,18 @@ class Cohort:
             t0 = time.perf_counter()
             rewards, label_metrics = self._intrinsic_rewards(batches), {a.name: {} for a in self.agents}
             timings["time/rewards"] = time.perf_counter() - t0
-        else:
+        elif multihost.is_main():  # grading is time-bounded: one process grades, every process gets its rewards
             result = voting.score_step(
                 [ro.texts for ro in rollouts], gold, topology=self.topology,
                 threshold=self.config.self_consistency_threshold, grader=self.grader,
                 extract=math_answers.extract_answer, normalize=math_answers.normalize_answer, step=step,
                 prompt_ids=list(block.ids), agent_names=[a.name for a in self.agents])
-            rewards, label_metrics, records = result.rewards, result.metrics, result.records
+            rewards, label_metrics, records = multihost.broadcast(result.rewards), result.metrics, result.records
             timings.update(result.timings)
+        else:
+            shape = (len(self.agents), len(block.problems), r.num_generations)
+            rewards = multihost.broadcast(np.zeros(shape, np.float32))
+            label_metrics = {a.name: {} for a in self.agents}
 
         t0 = time.perf_counter()
         pending = [self._update(a, ro, b, rewards[a.index].reshape(-1), step)
@@ -302,16 +311,17 @@ class Cohort:
             out.append(grpo.intrinsic_rewards(entropy, mean_logp, b["completion_mask"],
                                               agent.policy.config.vocab_size, kind))
         g = self.config.rollout.num_generations
-        return np.stack([np.asarray(x).reshape(-1, g) for x in out])
+        return np.stack([x.reshape(-1, g) for x in multihost.to_host(out)])
 
     def _update(self, agent: Agent, rollouts: Rollouts, batch: dict[str, jax.Array], rewards: np.ndarray,
                 step: int) -> dict[str, Any]:
         """Advantages, then `num_iterations` optimiser steps of one agent on its rollouts (rows shuffled into
         micro-batches as the reference does)."""
         g, r = self.config.grpo, self.config.rollout
-        rewards = jnp.asarray(rewards, jnp.float32)
-        batch["advantages"] = grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards)
-        order = jax.random.permutation(agent.step_key(step, 1), rewards.shape[0])
+        rewards = jnp.asarray(rewards, jnp.float32)  # host-side values (the same on every process): local device
+        batch["advantages"] = agent.put(np.asarray(
+            grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards)))
+        order = np.asarray(jax.random.permutation(agent.step_key(step, 1), rewards.shape[0]))
         batch = jax.tree.map(lambda x: x[order], batch)
         prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
         if g.num_iterations > 1:
@@ -320,14 +330,16 @@ class Cohort:
         if agent.ref_params is not None:
             batch["ref_logp"] = score_completions(agent.graphdef, agent.ref_params, batch["tokens"],
                                                   batch["attention"], prompt_len, self.settings)[0]
+        layout = jax.tree.map(lambda x: x.sharding, agent.params)
         for _ in range(g.num_iterations):
             agent.params, agent.opt_state, metrics = update(agent.graphdef, agent.optimizer, agent.params,
                                                             agent.opt_state, batch, self.settings)
-        c = rollouts.completions
-        lengths = np.asarray(c.lengths)
+        agent.params = jax.device_put(agent.params, layout)  # XLA may re-lay out small leaves; the sampler's
+        # compiled programs (and a restore target) expect the loaded layout
+        metrics, lengths, truncated = multihost.to_host(
+            (metrics, rollouts.completions.lengths, rollouts.completions.truncated))
         first_update = (step - 1) * g.num_iterations
         return {**grpo.reward_metrics(rewards, r.num_generations), **metrics,
                 "learning_rate": agent.schedule(first_update),
                 "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-                "completions/max_length": lengths.max(),
-                "completions/clipped_ratio": np.asarray(c.truncated).mean()}
+                "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean()}

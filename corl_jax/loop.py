@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from etils import epath
 from tqdm import tqdm
 
+from corl_jax import multihost
 from corl_jax.answers import math as math_answers
 from corl_jax.checkpointing import Checkpointer, Snapshot
 from corl_jax.cohort import Cohort, load_agents
@@ -46,7 +47,7 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
     grader (§1.12, §6.1). More samples per prompt shrink the sampling noise of a before/after comparison."""
     t = cohort.config.train
     k = t.eval_samples_per_prompt
-    accuracies = {}
+    counts = {}
     for agent in cohort.agents:
         correct = 0
         for start in range(0, len(problems), t.eval_batch_prompts):
@@ -56,15 +57,19 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
             rollouts = cohort.finish(agent, cohort.sample(agent, texts, key, num_samples=k,
                                                           max_new_tokens=t.eval_max_new_tokens,
                                                           temperature=t.eval_temperature))
-            correct += sum(cohort.grader(math_answers.extract_answer(text), chunk[i // k].answer)
-                           for i, text in enumerate(rollouts.texts))  # prompt-major: row p*k + j
-        accuracies[agent.name] = correct / (len(problems) * k)
-    return accuracies
+            if multihost.is_main():  # grading is time-bounded: process 0 grades, every process gets its count
+                correct += sum(cohort.grader(math_answers.extract_answer(text), chunk[i // k].answer)
+                               for i, text in enumerate(rollouts.texts))  # prompt-major: row p*k + j
+        counts[agent.name] = correct
+    correct = multihost.broadcast(np.array(list(counts.values()), np.int32))
+    return {name: int(c) / (len(problems) * k) for name, c in zip(counts, correct)}
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Train (or resume) the run of `config` in `workdir`; returns the summary written to summary.json."""
-    os.makedirs(workdir, exist_ok=True)
+    workdir = epath.Path(workdir)
+    if multihost.is_main():
+        workdir.mkdir(parents=True, exist_ok=True)
     train_problems, eval_problems = load_train_and_eval(
         config.data, train_needs_answers=config.method == "gt_reward")
     stream = PromptStream(train_problems, config.rollout.prompts_per_step, config.data_seed)
@@ -79,8 +84,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if latest is not None:
         start, history, nonfinite = _restore(checkpointer, cohort, stream, latest)
         logging.info("resumed from step %d of %s", start, workdir)
-    _write_config(config, workdir)
-    log = RunLog(workdir, resume_step=start)
+    main = multihost.is_main()  # one process writes the run's files and prints; all of them save checkpoints
+    if main:
+        _write_config(config, workdir)
+    log = RunLog(workdir, resume_step=start, active=main)
 
     def maybe_eval(step: int) -> dict[str, float] | None:
         t = config.train
@@ -90,13 +97,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         accuracies = evaluate(cohort, eval_problems, step)
         history.add(step, accuracies)
         log.scalars(step, {f"{name}/eval_reward": acc for name, acc in accuracies.items()})
-        tqdm.write(f"step {step}: eval accuracy " + ", ".join(f"{n} {a:.3f}" for n, a in accuracies.items()))
+        _print(f"step {step}: eval accuracy " + ", ".join(f"{n} {a:.3f}" for n, a in accuracies.items()))
         return accuracies
 
     if start == 0:
         maybe_eval(0)
     bar = tqdm(total=total_steps, initial=start, desc="co-rl" if config.method == "co_rl" else config.method,
-               dynamic_ncols=True)
+               dynamic_ncols=True, disable=not main)
     for step in range(start + 1, total_steps + 1):
         t0 = time.perf_counter()
         block = next(stream)
@@ -121,9 +128,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     log.close()
     summary = {"agents": history.summary(), "steps": total_steps, "nonfinite_updates": nonfinite,
                "best_checkpoint_step": _best_step(workdir)}
-    write_json(os.path.join(workdir, "summary.json"), summary)
+    if main:
+        write_json(workdir / "summary.json", summary)
     for name, s in summary["agents"].items():
-        tqdm.write(f"{name}: eval accuracy {s['initial_accuracy']} -> {s['final_accuracy']} "
+        _print(f"{name}: eval accuracy {s['initial_accuracy']} -> {s['final_accuracy']} "
                    f"(best {s['best_accuracy']} at step {s['best_step']})")
     return summary
 
@@ -169,6 +177,10 @@ def _best_step(workdir: str) -> int | None:
         return c.best_step()
 
 
-def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+def _write_config(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+
+def _print(line: str) -> None:
+    if multihost.is_main():
+        tqdm.write(line)

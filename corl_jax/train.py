@@ -2,12 +2,12 @@
 
 Any config key can be overridden, e.g. `--config.rollout.num_generations=4`; an unknown key is an error that names
 it. A workdir that already holds checkpoints is resumed from its latest step (unless `--config.train.resume=False`).
-On several hosts, launch the same command on every host: `jax.distributed` is initialised from the environment.
+On several hosts, launch the same command on every host: `jax.distributed` is initialised from the environment
+(Cloud TPU VMs, SLURM, JAX_COORDINATOR_ADDRESS) or from --coordinator_address/--num_processes/--process_id.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app, flags, logging
@@ -16,7 +16,11 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file, optionally with ':variant'.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard, summary.")
 _DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", None, "Call jax.distributed.initialize() (default: when a multi-host environment is detected).")
+    "distributed", None, "Call jax.distributed.initialize() (default: when a multi-host environment is detected "
+    "or --coordinator_address is given).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (default: auto-detected).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (default: auto-detected).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (default: auto-detected).")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -31,10 +35,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"error: {e}")
 
 
-def _multi_host_environment() -> bool:
-    return any(v in os.environ for v in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS"))
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -42,11 +42,13 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("both --config=configs/<name>.py[:variant] and --workdir=DIR are required")
     if not flags.FLAGS["verbosity"].present:  # keep the console to the progress bar; --verbosity=0 shows INFO logs
         logging.set_verbosity(logging.WARNING)
-    distributed = _DISTRIBUTED.value if _DISTRIBUTED.value is not None else _multi_host_environment()
-    if distributed:
-        import jax
+    from corl_jax import multihost
 
-        jax.distributed.initialize()
+    distributed = _DISTRIBUTED.value
+    if distributed is None:
+        distributed = _COORDINATOR.value is not None or multihost.multi_host_environment()
+    if distributed:
+        multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     from corl_jax.config import validate
     from corl_jax.loop import train
 

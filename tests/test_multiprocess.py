@@ -1,0 +1,132 @@
+"""Several JAX processes on this machine (CPU devices, gloo collectives through `jax.distributed`) train exactly as
+one process with as many devices: same metrics, same final parameters; only process 0 writes the run's files;
+every process writes its checkpoint shards; a SIGKILL of one process and a restart of all resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from corl_jax.checkpointing import Checkpointer
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = ("--config.train.max_steps=2", "--config.train.save_every=1", "--config.train.eval_every=2",
+         "--config.train.eval_on_start=False", "--config.rollout.max_new_tokens=8", "--config.mesh.data=-1")
+TIMEOUT = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(workdir: Path, processes: int, devices: int, *flags: str) -> list[subprocess.Popen]:
+    """`processes` trainers of `configs/ring3.py:tiny` with `devices` CPU devices each, sharing `workdir`."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}", *STEPS,
+           *flags]
+    if processes > 1:
+        cmd += [f"--coordinator_address=localhost:{_free_port()}", f"--num_processes={processes}"]
+    return [subprocess.Popen(cmd + ([f"--process_id={i}"] if processes > 1 else []), cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(processes)]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[str]:
+    """Every process's output once all exited 0; on a failure or timeout all are killed and the outputs shown."""
+    deadline, outputs = time.time() + TIMEOUT, []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+            outputs.append(out)
+            assert p.returncode == 0, f"process {len(outputs) - 1} failed:\n{out[-6000:]}"
+    finally:
+        _kill(procs)
+    return outputs
+
+
+def _run(workdir: Path, processes: int, devices: int, *flags: str) -> list[str]:
+    return _finish(_launch(workdir, processes, devices, *flags))
+
+
+def _rows(workdir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (workdir / name).read_text().splitlines()]
+
+
+def _without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if "time/" not in k} for r in rows]
+
+
+def _final_state(workdir: Path, like=None):
+    target = None if like is None else jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+    with Checkpointer(str(workdir)) as c:
+        return c.restore(c.latest_step(), state_target=target).state
+
+
+def _assert_same_run(reference: Path, run: Path) -> None:
+    # Rewards come from the same completions and the same grading; losses and gradients are reduced over the same
+    # devices in the same mesh order, so the values agree bit for bit (the tolerance-free check below).
+    assert _without_timings(_rows(run, "metrics.jsonl")) == _without_timings(_rows(reference, "metrics.jsonl"))
+    a = _final_state(reference)
+    b = _final_state(run, like=a)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("zoo_cache")
+    os.environ["CORL_JAX_CACHE"] = str(cache)  # inherited by the trainers; the single-process run builds it first
+    yield cache
+    del os.environ["CORL_JAX_CACHE"]
+
+
+@pytest.mark.parametrize("placement, processes, devices", [("shared", 2, 4), ("partitioned", 2, 3)])
+def test_processes_train_like_one_process(placement, processes, devices, zoo, tmp_path):
+    flag = f"--config.placement={placement}"
+    _run(tmp_path / "one", 1, processes * devices, flag)
+    outputs = _run(tmp_path / "many", processes, devices, flag)
+    _assert_same_run(tmp_path / "one", tmp_path / "many")
+
+    many = tmp_path / "many"
+    assert len(_rows(many, "records.jsonl")) == 2 * 2 * 3  # steps x prompts x agents: written once, by process 0
+    assert json.loads((many / "summary.json").read_text())["steps"] == 2
+    assert "eval accuracy" in outputs[0] and all("eval accuracy" not in out for out in outputs[1:])
+    shards = {p.name for p in (many / "checkpoints" / "2" / "state").iterdir() if p.name.startswith("ocdbt.process_")}
+    assert shards == {f"ocdbt.process_{i}" for i in range(processes)}
+
+
+def test_sigkill_of_one_process_then_restart_resumes_exactly(zoo, tmp_path):
+    _run(tmp_path / "one", 1, 8)
+    procs = _launch(tmp_path / "killed", 2, 4)
+    checkpoints, deadline = tmp_path / "killed" / "checkpoints", time.time() + TIMEOUT
+    try:
+        while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+            assert all(p.poll() is None for p in procs) and time.time() < deadline, _finish(procs)
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)  # the others then block in a collective: stop them too
+    finally:
+        _kill(procs)
+    _run(tmp_path / "killed", 2, 4)
+    _assert_same_run(tmp_path / "one", tmp_path / "killed")
