@@ -4,6 +4,7 @@ every process writes its checkpoint shards; a SIGKILL of one process and a resta
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -130,3 +131,57 @@ def test_sigkill_of_one_process_then_restart_resumes_exactly(zoo, tmp_path):
         _kill(procs)
     _run(tmp_path / "killed", 2, 4)
     _assert_same_run(tmp_path / "one", tmp_path / "killed")
+
+
+def test_run_files_and_data_go_through_epath(monkeypatch):
+    """gs:// workdirs and data: the run's files and data reads go through etils.epath (here onto fsspec's in-memory
+    filesystem registered for gs://, as gcsfs is on a pod); nothing lands on the local disk under a mangled path.
+    (Orbax checkpoints reach gs:// through tensorstore's own GCS driver, not exercised here.)"""
+    import fsspec
+    import tensorboardX
+    from etils import epath
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from corl_jax import data
+    from corl_jax.metrics import RunLog, write_json
+
+    class FakeGCS(MemoryFileSystem):
+        protocol = ("gs", "gcs")
+
+        def __init__(self, *args, finalize_on_close=False, **kwargs):  # etils passes gcsfs's option
+            super().__init__(*args, **kwargs)
+
+    class Board:  # tensorboardX writes gs:// itself (google-cloud-storage): record the location it is given
+        logdirs = []
+
+        def __init__(self, logdir):
+            self.logdirs.append(logdir)
+
+        add_scalar = flush = close = lambda self, *args: None
+
+    for protocol in FakeGCS.protocol:
+        fsspec.register_implementation(protocol, FakeGCS, clobber=True)
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", Board)
+    monkeypatch.chdir(REPO)  # a mangled relative "gs:/..." path would appear here
+    run = epath.Path("gs://bucket/run")
+    try:
+        log = RunLog(run)
+        for step in (1, 2):
+            log.scalars(step, {"a/loss": float(step)})
+            log.records([{"step": step, "prompt_id": 0}])
+        log.close()
+        RunLog(run, resume_step=1).close()  # a resume drops the lines after its step, in place
+        write_json(run / "summary.json", {"steps": 1})
+        (run / "train.jsonl").write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+        assert len((run / "records.jsonl").read_text().splitlines()) == 1
+        assert json.loads((run / "summary.json").read_text()) == {"steps": 1}
+        assert Board.logdirs == ["gs://bucket/run/tensorboard"] * 2
+        assert data.load_rows("gs://bucket/run/train.jsonl") == [{"prompt": "1+1?", "answer": "2"}]
+        assert not (REPO / "gs:").exists()
+    finally:
+        FakeGCS.store.clear()
+        FakeGCS.pseudo_dirs[:] = [""]
+        registry = importlib.import_module("fsspec.registry")._registry
+        for protocol in FakeGCS.protocol:
+            registry.pop(protocol, None)
