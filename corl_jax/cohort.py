@@ -2,7 +2,7 @@
 Co-RL step over all of them (co_rl_reference.md §1.13):
 
     same prompt block ─► per agent: chat prompts → sample G completions (device) → texts (host)
-    all texts ─► voting.score_step (answers, votes, teacher per topology, rewards [A, P, G])   one controller
+    all texts ─► task.score: keys → voting.score_step (votes, teacher, rewards [A, P, G])       one controller
     per agent: advantages → GRPO update with its own optimiser                                  device
 
 Labels pass in memory; every agent receives the same `PromptBlock`, so prompt ids cannot misalign. With
@@ -24,8 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from corl_jax import grpo, multihost, voting
-from corl_jax.answers import math as math_answers
+from corl_jax import grpo, multihost
 from corl_jax.config import topology_of
 from corl_jax.data import PromptBlock
 from corl_jax.models import Policy, from_pretrained, positions_from_mask
@@ -33,6 +32,7 @@ from corl_jax.models.sharding import batch_sharding, make_mesh
 from corl_jax.optim import make_optimizer, make_schedule
 from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Completions, Sampler
+from corl_jax.tasks import make_task
 from corl_jax.tokenization import decode_completions, encode_prompts, stop_token_ids
 from corl_jax.zoo import resolve_model_paths
 
@@ -220,10 +220,7 @@ class Cohort:
         self.config = config
         self.agents = agents
         self.topology = topology_of(config)
-        co_rl = config.method == "co_rl"  # Co-RL: sci-notation wrapper; baselines: raw grader (§11.6)
-        self.grader = voting.PairGrader(
-            math_answers.grade_answer if co_rl else math_answers.grade_answer_raw,
-            grade_many=math_answers.grade_answers if co_rl else math_answers.grade_answers_raw)
+        self.task = make_task(config)  # vote keys, the reward's equivalence and eval grading of config.task
         g, r = config.grpo, config.rollout
         batch = r.prompts_per_step * r.num_generations
         self.settings = UpdateSettings(loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,
@@ -258,18 +255,16 @@ class Cohort:
         timings["time/sampling"] = time.perf_counter() - t0
         batches = [self._batch(a, ro) for a, ro in zip(self.agents, rollouts)]
 
-        gold = [p.answer for p in block.problems]
         records: list[dict] = []
         if self.topology == "intrinsic":
             t0 = time.perf_counter()
             rewards, label_metrics = self._intrinsic_rewards(batches), {a.name: {} for a in self.agents}
             timings["time/rewards"] = time.perf_counter() - t0
         elif multihost.is_main():  # grading is time-bounded: one process grades, every process gets its rewards
-            result = voting.score_step(
-                [ro.texts for ro in rollouts], gold, topology=self.topology,
-                threshold=self.config.self_consistency_threshold, grader=self.grader,
-                extract=math_answers.extract_answer, normalize=math_answers.normalize_answer, step=step,
-                prompt_ids=list(block.ids), agent_names=[a.name for a in self.agents])
+            result = self.task.score(
+                [ro.texts for ro in rollouts], block.problems, topology=self.topology,
+                threshold=self.config.self_consistency_threshold, step=step,
+                agent_names=[a.name for a in self.agents])
             rewards, label_metrics, records = multihost.broadcast(result.rewards), result.metrics, result.records
             timings.update(result.timings)
         else:

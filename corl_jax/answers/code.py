@@ -13,28 +13,53 @@ happens in a sandbox, one child process per completion:
   SIGKILL): CPU time, address space, file size (also caps the child's stderr and result files),
   open files, no core dumps, process count (RLIMIT_NPROC binds only non-root users);
 * its own session (`start_new_session`): on return, or after the wall-clock limit, the whole
-  process group is SIGKILLed while the child is still unreaped (no pid reuse race); the parent
-  waits on a pidfd, so it never blocks longer than the wall limit; stdout goes to /dev/null, stderr
-  to a size-capped file that is read with a bound; the child exits by itself if the parent dies
-  (a trainer killed by SIGKILL leaves the working directories of in-flight sandboxes behind);
-* kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active):
-  no_new_privs; Landlock (writes only beneath the working directory, no TCP, and from ABI 6 no
-  signals to processes outside the sandbox); a seccomp filter (x86_64, aarch64) refusing fork,
-  vfork, non-thread clone, exec, socket, ptrace, process_vm_*, io_uring, unshare/setns/mount and
-  kill/tgkill of any pid but its own;
+  process group is SIGKILLed while the child is still unreaped (no pid reuse race); in a PID
+  namespace the child first gets SIGTERM and up to a second, so that its waiting half kills and
+  reaps the namespace's pid 1, leaving no orphan to init; the parent waits on a pidfd, so it never
+  blocks longer than the wall limit (plus that second); stdout goes to /dev/null, stderr to a
+  size-capped file that is read with a bound; the child exits by itself if the parent dies (a
+  trainer killed by SIGKILL leaves the working directories of in-flight sandboxes behind);
+* kernel confinement where the kernel offers it (`sandbox_confinement()` says what is active): where
+  Landlock is missing, a new PID namespace with its own /proc mount (as root, or with a user
+  namespace where unprivileged ones are allowed), in which no other process, the trainer included,
+  exists; no_new_privs; Landlock (writes only beneath the working directory; reads anywhere except
+  other processes' /proc entries, so not the trainer's environ or cmdline by any path, `..` or
+  dir_fd, nor the listings of / and /proc; no TCP; from ABI 6 no signals to processes outside the
+  sandbox); a seccomp filter (x86_64, aarch64) refusing fork, vfork, non-thread clone, exec, socket,
+  ptrace, process_vm_*, io_uring, unshare/setns, mount changes (so the PID namespace's /proc stays
+  in place), chroot, open_by_handle_at and kill/tgkill of any pid but its own;
 * an audit hook (`sys.addaudithook`) in the child that refuses the same escapes at the Python
   level on any kernel: fork/exec/spawn/subprocess, signals to other processes, sockets, ctypes
   symbol lookups and raw memory access, imports that bypass the hook (`_posixsubprocess`,
   subinterpreters, CPython test modules), writes outside the working directory, and reads of
-  other processes' /proc entries (e.g. the parent's environ, which Landlock does not cover).
+  other processes' /proc entries. `os.open`'s event does not show its dir_fd, so directory
+  descriptors may only be opened inside the working directory and relative `os.open` paths may
+  not contain `..`.
 
 Audit hooks are not a security boundary on their own (native code bypasses them, and the child
 runs as the trainer's user, root in CI, for which RLIMIT_NPROC does not count); they turn common
 escapes into ordinary `<ERR:PermissionError>` markers. The kernel-enforced parts are the process
-isolation, the rlimits, the group kill and, where active, Landlock and seccomp. Reading files is
-not restricted (the reference could read them too): keep secrets off disks readable by the
-trainer's user. Results travel back as JSON lines in the working directory, so determined code
-could forge its own records (it could in the reference).
+isolation, the rlimits, the group kill and, where active, Landlock and seccomp. Reading files
+other than /proc entries is not restricted (the reference could read them too): keep secrets off
+disks readable by the trainer's user.
+
+Records (threat model). The child writes its records to an unlinked temporary file it holds only as
+an inherited descriptor (nothing in the working directory; stdout and stderr are never read as
+results); the record that says set-up completed goes to a second one, closed before the completion
+runs, so that erasing records makes them missing (a failure), never a SandboxError. Each line
+carries a sequence number and a keyed BLAKE2b tag; the 32-byte key is a fresh random per run, sent
+on stdin and read by the runner before any untrusted code starts, and the parent keeps only lines
+that verify, in sequence, up to the first that does not. So a completion cannot forge a record by
+printing, writing files or descriptors (it can read its own earlier lines, but not make new ones),
+exiting with any status (`os._exit(0)`, `SystemExit` from a test or a `__del__`: a missing record is
+a failure), or patching modules, builtins or `__main__` (the runner reports through names bound
+before the code ran). Not covered: the completion shares one interpreter with the runner and, in
+`passes_tests`, with its tests (as in the reference), so code that walks interpreter frames
+(`frame.f_back` raises no audit event) can reach the runner's reporting function, and code can rig
+the tests' semantics (results whose `__eq__` is always true, a patched `pytest.raises`, test
+functions replaced from a thread). Closing that would need the tests to run in a process the
+completion's code never runs in. The vote key (`run_outputs`) is the completion's own output, so it
+has nothing to forge.
 
 Differences from the reference, all in cases the reference could not survive or bound:
 prints are discarded instead of buffered; the per-call timer also covers `repr(result)`;
@@ -47,12 +72,16 @@ head plus a SHA-256 of the whole (equal outputs stay equal, keys stay small).
 from __future__ import annotations
 
 import ast
+import binascii
 import concurrent.futures
+import hashlib
+import hmac
 import json
 import math
 import os
 import pickle
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -66,8 +95,10 @@ from pathlib import Path
 
 MAX_REPR_CHARS = 1024
 _RUNNER = Path(__file__).with_name("_sandbox_runner.py")
-_RESULTS_FILE = "results.jsonl"  # same name in the runner
+_KEY_BYTES = 32  # KEY_BYTES in the runner
 _START_UP_SECONDS = 2.0  # wall-clock allowance for the interpreter start on top of the calls
+_TERM_GRACE_SECONDS = 1.0  # after the wall limit: SIGTERM, then this long before SIGKILL
+_LAYERS_BYTES = 4096  # record 0 (the kernel layers) fits
 _STDERR_SHOWN_BYTES = 4096
 _FENCE = re.compile(r"```(?:python)?\s*\n(.*?)```", re.DOTALL)
 
@@ -163,6 +194,45 @@ def extract_calls(test_code: str) -> tuple[str | None, list[tuple]]:
     return func_name, call_inputs
 
 
+def candidate_calls(test_code: str) -> list[tuple]:
+    """Argument tuples of the `candidate(...)` calls inside the asserts of HumanEval-style test code
+    (`def check(candidate): assert candidate(...) == ...`), in source order, wherever the call sits
+    in the assert (`assert abs(candidate(1.33) - 0.33) < 1e-6` counts). Parsed with `ast`; only
+    `literal_eval` of literal arguments; calls with keyword, starred or non-literal arguments are
+    skipped (HumanEval/32 draws its inputs at random and so yields none)."""
+    _require_str(test_code, "test_code")
+    try:
+        tree = ast.parse(test_code)
+    except Exception:  # noqa: BLE001  as extract_calls
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assert):
+            continue
+        for call in ast.walk(node.test):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id == "candidate" and not call.keywords):
+                try:
+                    found.append((call.lineno, call.col_offset,
+                                  tuple(ast.literal_eval(arg) for arg in call.args)))
+                except Exception:  # noqa: BLE001  not a literal (Starred, Name, Call, ...)
+                    pass
+    return [args for _, _, args in sorted(found, key=lambda item: item[:2])]
+
+
+def _syntax_marker(source: str) -> str | None:
+    """`<ERR:SyntaxError>` (or its subclass) when `source` cannot even be parsed, which the sandbox
+    would also report for every call; None otherwise (then only the sandbox can tell). Parsing runs
+    no code; it spares a sandbox start for text that is not Python (random models' output)."""
+    try:
+        ast.parse(source)
+    except SyntaxError as exc:
+        return f"<ERR:{type(exc).__name__}>"
+    except Exception:  # noqa: BLE001  e.g. MemoryError on pathological nesting: let the sandbox decide
+        return None
+    return None
+
+
 def _child_env(workdir: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
             "TMPDIR": workdir, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
@@ -187,70 +257,89 @@ def _read_head(path: str, max_bytes: int) -> bytes:
         return b""
 
 
-def _parse_results(raw: bytes) -> tuple[dict | None, list[str]]:
-    """(kernel layers line, records): complete JSON lines up to the first malformed one (a kill
-    may cut the last); the layers line is None when the runner never finished its set-up."""
-    lines = raw.split(b"\n")[:-1]
-    try:
-        layers = json.loads(lines[0]) if lines else None
-    except ValueError:
-        layers = None
-    if not isinstance(layers, dict):
-        return None, []
-    records = []
-    for line in lines[1:]:
-        try:
-            record = json.loads(line)
-        except ValueError:
+def _tag(key: bytes, body: bytes) -> bytes:
+    return hashlib.blake2b(body, key=key, digest_size=16).hexdigest().encode()
+
+
+def _parse_records(raw: bytes, key: bytes, first_seq: int) -> list[str]:
+    """Texts of the runner's lines `<seq> <base64> <tag>`, up to the first line that is cut (a
+    kill), out of sequence or not tagged with `key` (so written by the completion)."""
+    texts = []
+    for seq, line in enumerate(raw.split(b"\n")[:-1], start=first_seq):
+        body, _, tag = line.rpartition(b" ")
+        number, _, payload = body.partition(b" ")
+        if number != b"%d" % seq or not hmac.compare_digest(tag, _tag(key, body)):
             break
-        if not isinstance(record, str):
-            break
-        records.append(record)
-    return layers, records
+        texts.append(binascii.a2b_base64(payload).decode("utf-8", "surrogatepass"))
+    return texts
+
+
+def _read_layers(setup_fd: int, key: bytes) -> dict | None:
+    """Record 0, the kernel layers; None when the runner never finished its set-up."""
+    texts = _parse_records(os.pread(setup_fd, _LAYERS_BYTES, 0), key, 0)
+    return json.loads(texts[0]) if texts else None
 
 
 def _run_sandboxed(job: dict, n_records: int,
                    limits: SandboxLimits) -> tuple[dict, list[str]]:
     """Run one job in a fresh sandbox: (active kernel layers, exactly `n_records` records)."""
     wall = limits.wall_for(n_records)
-    job = {**job, "call_seconds": limits.call_seconds, "cpu_seconds": limits.cpu_for(n_records),
-           "memory_bytes": limits.memory_bytes,
-           "max_output_bytes": limits.max_output_bytes, "max_processes": limits.max_processes,
-           "max_repr_chars": MAX_REPR_CHARS,
-           "extra_sys_path": sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})}
+    key = secrets.token_bytes(_KEY_BYTES)
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="corl_sandbox_"))
-    try:
-        with open(os.path.join(workdir, "job.pkl"), "wb") as file:
-            pickle.dump(job, file)
-        stderr_path = os.path.join(workdir, "stderr.txt")
-        with open(stderr_path, "wb") as stderr:
-            child = subprocess.Popen(
-                [sys.executable, "-S", "-P", "-B", str(_RUNNER)], cwd=workdir,
-                env=_child_env(workdir), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                stderr=stderr, start_new_session=True)
+    # Records go to unlinked files that the child holds only as inherited descriptors; the set-up
+    # one (record 0) is closed before untrusted code runs, so a completion cannot erase it.
+    with tempfile.TemporaryFile() as setup, tempfile.TemporaryFile() as results:
+        job = {**job, "setup_fd": setup.fileno(), "results_fd": results.fileno(),
+               "call_seconds": limits.call_seconds,
+               "cpu_seconds": limits.cpu_for(n_records), "memory_bytes": limits.memory_bytes,
+               "max_output_bytes": limits.max_output_bytes,
+               "max_processes": limits.max_processes, "max_repr_chars": MAX_REPR_CHARS,
+               "extra_sys_path": sorted({sysconfig.get_path("purelib"),
+                                         sysconfig.get_path("platlib")})}
         try:
-            timed_out = not _wait_for_exit(child.pid, wall)
+            with open(os.path.join(workdir, "job.pkl"), "wb") as file:
+                pickle.dump(job, file)
+            stderr_path = os.path.join(workdir, "stderr.txt")
+            with open(stderr_path, "wb") as stderr:
+                child = subprocess.Popen(
+                    [sys.executable, "-S", "-P", "-B", str(_RUNNER)], cwd=workdir,
+                    env=_child_env(workdir), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=stderr, start_new_session=True,
+                    pass_fds=(setup.fileno(), results.fileno()))
+            try:
+                try:  # read by the runner before any untrusted code runs
+                    child.stdin.write(key)
+                    child.stdin.flush()
+                except BrokenPipeError:  # the runner died at start: reported below
+                    pass
+                timed_out = not _wait_for_exit(child.pid, wall)
+                if timed_out and (_read_layers(setup.fileno(), key) or {}).get("pid_namespace"):
+                    child.terminate()  # its waiting half kills and reaps the namespace's pid 1
+                    _wait_for_exit(child.pid, _TERM_GRACE_SECONDS)
+            finally:
+                try:  # the child is not reaped yet, so its pid (= process group id) is still ours
+                    os.killpg(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    child.stdin.close()
+                except BrokenPipeError:
+                    pass
+                child.wait()
+            layers = _read_layers(setup.fileno(), key)
+            if layers is None:
+                detail = _read_head(stderr_path, _STDERR_SHOWN_BYTES).decode("utf-8", "replace")
+                raise SandboxError(
+                    f"the sandbox runner did not start (exit status {child.returncode}, "
+                    f"timed out: {timed_out}); is memory_bytes={limits.memory_bytes} enough for "
+                    f"{sys.executable}? stderr:\n{detail}")
+            records = _parse_records(os.pread(results.fileno(), limits.max_output_bytes, 0),
+                                     key, 1)[:n_records]
         finally:
-            try:  # the child is not reaped yet, so its pid (= process group id) is still ours
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.stdin.close()
-            child.wait()
-        layers, records = _parse_results(_read_head(os.path.join(workdir, _RESULTS_FILE),
-                                                    limits.max_output_bytes))
-        if layers is None:
-            detail = _read_head(stderr_path, _STDERR_SHOWN_BYTES).decode("utf-8", "replace")
-            raise SandboxError(
-                f"the sandbox runner did not start (exit status {child.returncode}, "
-                f"timed out: {timed_out}); is memory_bytes={limits.memory_bytes} enough for "
-                f"{sys.executable}? stderr:\n{detail}")
-        records = records[:n_records]
-        killed = timed_out or child.returncode in (-signal.SIGKILL, -signal.SIGXCPU)
-        missing = "<TIMEOUT>" if killed else "<ERR:SandboxExit>"
-        return layers, records + [missing] * (n_records - len(records))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(workdir, ignore_errors=True)
+    killed = timed_out or child.returncode in (-signal.SIGKILL, -signal.SIGXCPU)
+    missing = "<TIMEOUT>" if killed else "<ERR:SandboxExit>"
+    return layers, records + [missing] * (n_records - len(records))
 
 
 def run_outputs(code: str, func_name: str, call_inputs: Sequence[tuple], *,
@@ -270,6 +359,9 @@ def run_outputs(code: str, func_name: str, call_inputs: Sequence[tuple], *,
                             f"got {type(args).__name__}")
     if not call_inputs:
         return []
+    error = _syntax_marker("from typing import *\n" + code)  # the runner's exec'd source
+    if error is not None:
+        return [error] * len(call_inputs)
     job = {"mode": "calls", "code": code, "func_name": func_name, "inputs": call_inputs,
            "preload": []}
     return _run_sandboxed(job, len(call_inputs), limits)[1]
@@ -279,8 +371,13 @@ def voting_answer(text: str, test_code: str, *,
                   limits: SandboxLimits = VOTE_LIMITS) -> str | None:
     """The completion's vote key: `repr(tuple(outputs))` on the test's call inputs; None when there
     is no code, no call input, or every output is a marker (starts with `<`)."""
+    return output_key(text, *extract_calls(test_code), limits=limits)
+
+
+def output_key(text: str, func_name: str | None, call_inputs: Sequence[tuple], *,
+               limits: SandboxLimits = VOTE_LIMITS) -> str | None:
+    """`voting_answer` with the called name and inputs given (e.g. from `candidate_calls`)."""
     code = extract_code(text)
-    func_name, call_inputs = extract_calls(test_code)
     if code is None or func_name is None or not call_inputs:
         return None
     outputs = run_outputs(code, func_name, call_inputs, limits=limits)
@@ -296,6 +393,8 @@ def passes_tests(text: str, test_code: str, *, limits: SandboxLimits = TEST_LIMI
     _require_str(test_code, "test_code")
     if code is None or not test_code:
         return False
+    if _syntax_marker("from typing import *\n" + code + "\n" + test_code) is not None:
+        return False
     # CoMAS tests use pytest.raises; importing pytest (~0.3 s) before the timer starts keeps it
     # from eating the 4 s budget (the reference paid it once per trainer process).
     job = {"mode": "tests", "code": code, "test_code": test_code,
@@ -304,8 +403,10 @@ def passes_tests(text: str, test_code: str, *, limits: SandboxLimits = TEST_LIMI
 
 
 def sandbox_confinement(limits: SandboxLimits = VOTE_LIMITS) -> dict:
-    """The kernel layers a sandbox gets on this machine, e.g. {"landlock_abi": 7, "seccomp": True}
-    (0 / False where the kernel lacks them and only the audit hook and rlimits remain)."""
+    """The kernel layers a sandbox gets on this machine, e.g. {"pid_namespace": False,
+    "landlock_abi": 7, "seccomp": True} (a PID namespace only where Landlock is missing; False /
+    0 where the kernel or the user's rights lack them and only the audit hook and rlimits
+    remain)."""
     job = {"mode": "calls", "code": "", "func_name": "", "inputs": [], "preload": []}
     return _run_sandboxed(job, 0, limits)[0]
 
@@ -318,13 +419,6 @@ def _map_concurrently(grade: Callable, texts: Sequence[str], test_codes: Sequenc
                          f"each of its completions)")
     with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
         return list(pool.map(lambda pair: grade(*pair, limits=limits), zip(texts, test_codes)))
-
-
-def voting_answer_batch(texts: Sequence[str], test_codes: Sequence[str], *,
-                        limits: SandboxLimits = VOTE_LIMITS,
-                        max_workers: int = 2) -> list[str | None]:
-    """`voting_answer` for many completions, `max_workers` sandboxes at a time."""
-    return _map_concurrently(voting_answer, texts, test_codes, limits, max_workers)
 
 
 def passes_tests_batch(texts: Sequence[str], test_codes: Sequence[str], *,
