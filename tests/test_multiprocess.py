@@ -103,12 +103,25 @@ def zoo(tmp_path_factory):
     del os.environ["CORL_JAX_CACHE"]
 
 
+@pytest.fixture(scope="module")
+def single_process_run(zoo, tmp_path_factory):
+    """The workdir of the one-process run with `devices` devices and `placement` (each run once per module)."""
+    runs = {}
+
+    def get(placement: str, devices: int) -> Path:
+        if (placement, devices) not in runs:
+            runs[placement, devices] = tmp_path_factory.mktemp(f"one_{placement}")
+            _run(runs[placement, devices], 1, devices, f"--config.placement={placement}")
+        return runs[placement, devices]
+
+    return get
+
+
 @pytest.mark.parametrize("placement, processes, devices", [("shared", 2, 4), ("partitioned", 2, 3)])
-def test_processes_train_like_one_process(placement, processes, devices, zoo, tmp_path):
-    flag = f"--config.placement={placement}"
-    _run(tmp_path / "one", 1, processes * devices, flag)
-    outputs = _run(tmp_path / "many", processes, devices, flag)
-    _assert_same_run(tmp_path / "one", tmp_path / "many")
+def test_processes_train_like_one_process(placement, processes, devices, single_process_run, tmp_path):
+    reference = single_process_run(placement, processes * devices)
+    outputs = _run(tmp_path / "many", processes, devices, f"--config.placement={placement}")
+    _assert_same_run(reference, tmp_path / "many")
 
     many = tmp_path / "many"
     assert len(_rows(many, "records.jsonl")) == 2 * 2 * 3  # steps x prompts x agents: written once, by process 0
@@ -118,9 +131,9 @@ def test_processes_train_like_one_process(placement, processes, devices, zoo, tm
     assert shards == {f"ocdbt.process_{i}" for i in range(processes)}
 
 
-def test_sigkill_of_one_process_then_restart_resumes_exactly(zoo, tmp_path):
-    _run(tmp_path / "one", 1, 8)
-    procs = _launch(tmp_path / "killed", 2, 4)
+def test_sigkill_of_one_process_then_restart_resumes_exactly(single_process_run, tmp_path):
+    flag = "--config.placement=shared"
+    procs = _launch(tmp_path / "killed", 2, 4, flag)
     checkpoints, deadline = tmp_path / "killed" / "checkpoints", time.time() + TIMEOUT
     try:
         while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -129,8 +142,8 @@ def test_sigkill_of_one_process_then_restart_resumes_exactly(zoo, tmp_path):
         procs[1].send_signal(signal.SIGKILL)  # the others then block in a collective: stop them too
     finally:
         _kill(procs)
-    _run(tmp_path / "killed", 2, 4)
-    _assert_same_run(tmp_path / "one", tmp_path / "killed")
+    _run(tmp_path / "killed", 2, 4, flag)
+    _assert_same_run(single_process_run("shared", 8), tmp_path / "killed")
 
 
 def test_run_files_and_data_go_through_epath(monkeypatch):
