@@ -23,7 +23,7 @@ from corl_jax.checkpointing import Checkpointer
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("--config.train.max_steps=2", "--config.train.save_every=1", "--config.train.eval_every=2",
          "--config.train.eval_on_start=False", "--config.rollout.max_new_tokens=8", "--config.mesh.data=-1")
-TIMEOUT = 900
+TIMEOUT = 1800  # hang guard per run (a loaded 2-core machine needs ~15 min for one)
 
 
 def _free_port() -> int:
