@@ -38,12 +38,18 @@ EXTRAS = {
         "gguf>=0.10",
         "accelerate>=1.0",
         "datasets>=3.0",
+        # the lm-eval backend's test (against lm-eval's hf model) and eval's plot; ~35 s to install
+        "lm-eval>=0.4.13,<0.5",
+        "matplotlib>=3.8",
     ],
+    # the lm-evaluation-harness backend (`corl-lm-eval --model corl_jax`) and eval's accuracy plot
+    "eval": ["lm-eval>=0.4.13,<0.5", "matplotlib>=3.8"],
     # Hugging Face hub datasets as a training source (`hf:<name>[:split]`).
     "hf": ["datasets>=3.0"],
     # plots of the evidence scripts under experiments/
     "experiments": ["matplotlib>=3.8"],
     "gpu": ["jax[cuda13]>=0.10.2,<0.13"],
+    # Cloud TPU VMs (tpu_scripts/launch.sh installs it on every worker); also `corl_jax.compile_check` on any host.
     # gs:// workdirs and data: etils.epath reads/writes through gcsfs, tensorboardX through google-cloud-storage
     # (Orbax checkpoints use tensorstore's own GCS driver).
     "tpu": ["jax[tpu]>=0.10.2,<0.13", "gcsfs>=2024.2", "google-cloud-storage>=2.14"],
@@ -58,4 +64,5 @@ setup(
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
+    entry_points={"console_scripts": ["corl-lm-eval=corl_jax.lm_eval_model:main"]},
 )

@@ -1,19 +1,24 @@
-"""Training-state checkpoints with Orbax: save, keep the last N plus the best, resume.
+"""Training-state checkpoints with Orbax: save, keep the last N plus each metric's best, resume.
 
 One checkpoint step holds four items:
   state  the caller's pytree of arrays (per agent: parameters and optimiser state), restored into the caller's
          abstract target, shardings included;
   data   the prompt stream's state (`corl_jax.data.PromptStream.get_state()`), JSON;
   rng    named PRNG keys as uint32 key data (+ the key implementation), JSON;
-  meta   the step, its metric and the caller's small JSON metadata (config hash, ...).
+  meta   the step, its metric(s), the caller's small JSON metadata (config hash, ...) and a fingerprint of every
+         array.
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed mid-save leaves
-the previous steps intact. Nothing here ever deletes a checkpoint because it could not be read.
+the previous steps intact. A state with a non-finite floating-point value is never saved; a restored state must
+match the fingerprints written at save (two wrapping uint32 sums of each array's bits, computed on its devices) and
+be finite, else the step is rejected. Nothing here ever deletes a checkpoint: a rejected step is moved aside.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,11 +28,17 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from corl_jax import multihost
+
 _policies = ocp.checkpoint_managers
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read; the message names its directory and the fix."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """A state to save holds NaN or inf; the message names the array."""
 
 
 @dataclasses.dataclass
@@ -39,44 +50,59 @@ class Snapshot:
     data_state: Mapping[str, Any]   # PromptStream.get_state()
     rng: Mapping[str, jax.Array]    # name -> PRNG key (typed or raw uint32)
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    metric: float | None = None     # e.g. mean eval accuracy; greater is better
+    # Greater is better. A mapping ranks each key on its own (e.g. agent -> eval accuracy: every agent's best step is
+    # kept); a float is the single key "value".
+    metric: float | Mapping[str, float] | None = None
 
 
 class Checkpointer:
     """Orbax-managed checkpoints under `<workdir>/checkpoints/<step>/`.
 
-    Keeps the `keep_last` most recent steps and, with `keep_best`, also the step with the greatest metric (the
-    earliest of equal ones, as the reference's BestKeeper takes only a strictly better value).
+    Keeps the `keep_last` most recent steps and, with `keep_best`, for every metric key the step with its greatest
+    value (the earliest of equal ones, as the reference's BestKeeper takes only a strictly better value).
     Orbax is multi-process aware: on several processes every process must construct, save and restore (each
-    writes its own shards; process 0 the metadata). `workdir` may be any `etils.epath` location (gs://...).
+    writes its own shards; process 0 the metadata and the moves of rejected steps). `workdir` may be any
+    `etils.epath` location (gs://...).
     """
 
     def __init__(self, workdir: str | epath.Path, keep_last: int = 2, keep_best: bool = True,
                  async_save: bool = True):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: keep at least the latest checkpoint (1 or more)")
-        local = "://" not in str(workdir)
-        self.directory = (epath.Path(workdir).absolute() if local else epath.Path(workdir)) / "checkpoints"
+        root = epath.Path(workdir).absolute() if "://" not in str(workdir) else epath.Path(workdir)
+        self.directory = root / "checkpoints"
+        self.rejected_directory = root / "rejected_checkpoints"
+        self.rejected: dict[int, str] = {}  # step -> why, of the steps a fallback restore moved aside
         policies = [_policies.LatestN(n=keep_last)]
         if keep_best:
-            policies.append(_policies.BestN(get_metric_fn=_rank, n=1, keep_checkpoints_without_metrics=False))
-        options = ocp.CheckpointManagerOptions(  # best_fn also makes Orbax persist each step's metric
-            best_fn=_rank, preservation_policy=_policies.AnyPreservationPolicy(policies),
+            policies.append(_BestPerKey())
+        options = ocp.CheckpointManagerOptions(  # a best_fn makes Orbax persist each step's metrics (retention: above)
+            best_fn=lambda m: float(np.mean(list(_values(m).values()))),
+            preservation_policy=_policies.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, snapshot: Snapshot) -> None:
         """Start saving `snapshot` (asynchronously unless `async_save=False`); `wait()` blocks until it is durable."""
-        if snapshot.metric is not None and not math.isfinite(snapshot.metric):
+        values = None if snapshot.metric is None else (
+            dict(snapshot.metric) if isinstance(snapshot.metric, Mapping) else {"value": snapshot.metric})
+        if values is not None and not all(math.isfinite(v) for v in values.values()):
             raise ValueError(f"checkpoint metric {snapshot.metric} at step {snapshot.step} is not finite")
-        meta = {"step": snapshot.step, "metric": snapshot.metric, "metadata": dict(snapshot.metadata)}
+        fingerprints = fingerprint(snapshot.state)
+        bad = [name for name, entry in fingerprints.items() if not entry["finite"]]
+        if bad:
+            raise NonFiniteStateError(
+                f"step {snapshot.step}: {len(bad)} arrays hold NaN or inf (first: {bad[0]}); not saved, the previous "
+                f"checkpoints in {self.directory} are kept")
+        meta = {"step": snapshot.step, "metric": snapshot.metric, "metadata": dict(snapshot.metadata),
+                "fingerprints": fingerprints}
         self._manager.save(
             snapshot.step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(snapshot.state),
                                     data=ocp.args.JsonSave(dict(snapshot.data_state)),
                                     rng=ocp.args.JsonSave(_encode_keys(snapshot.rng)),
                                     meta=ocp.args.JsonSave(meta)),
-            metrics=None if snapshot.metric is None else {"value": snapshot.metric, "step": snapshot.step})
+            metrics=None if values is None else {"values": values, "step": snapshot.step})
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -96,9 +122,21 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def best_step(self) -> int | None:
-        """The kept step with the greatest metric (earliest among equals); None when no step has a metric."""
-        return self._manager.best_step() if any(self._manager.metrics(s) for s in self.all_steps()) else None
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The `meta` item of `step` alone: {"step", "metric", "metadata"}."""
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def state_metadata(self, step: int) -> Any:
+        """The saved state's tree, each leaf an Orbax ArrayMetadata (`.shape`, `.dtype`); reads no array."""
+        return ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.step_dir(step)) / "state").tree
+
+    def restore_subtree(self, step: int, target: Any) -> Any:
+        """Only the part of `step`'s state that `target` names (e.g. {agent: {"params": ...}}), laid out (shape,
+        dtype, sharding) like `target`'s jax.ShapeDtypeStruct leaves; the rest (optimiser state, other agents) is
+        never read."""
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(epath.Path(self.step_dir(step)) / "state", args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
 
     def step_dir(self, step: int) -> str:
         return str(self.directory / str(step))
@@ -108,8 +146,9 @@ class Checkpointer:
         """The snapshot of `step` (default: the latest), its state laid out like `state_target`.
 
         `state_target` is a pytree like the saved state whose leaves are arrays or jax.ShapeDtypeStruct with a
-        sharding; None restores the saved structure as saved. An unreadable step raises CheckpointError, or with
-        `fallback_to_previous` is skipped (with a warning) for the next older readable step.
+        sharding; None restores the saved structure as saved. An unreadable or unverifiable step raises
+        CheckpointError, or with `fallback_to_previous` is moved to `<workdir>/rejected_checkpoints/` (with a
+        warning, recorded in `self.rejected`) and the next older step is tried.
         """
         steps = self.all_steps()
         if step is None:
@@ -119,18 +158,33 @@ class Checkpointer:
         if step not in steps:
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory} (steps there: {steps})")
         candidates = [s for s in reversed(steps) if s <= step] if fallback_to_previous else [step]
-        errors = []
+        errors = {}
         for candidate in candidates:
             try:
-                return self._read(candidate, state_target)
+                snapshot = self._read(candidate, state_target)
             except Exception as e:  # Orbax, tensorstore and json raise many types for a damaged directory
-                errors.append(f"{self.step_dir(candidate)}: {type(e).__name__}: {str(e)[:400]}")
-                if fallback_to_previous:
-                    logging.warning("checkpoint %s is unreadable, trying an older one: %s", candidate, errors[-1])
+                errors[candidate] = _one_line(e)
+                continue
+            for bad, why in errors.items():
+                self._set_aside(bad, why)
+            return snapshot
         raise CheckpointError(
-            "cannot read checkpoint " + "; ".join(errors) + ". Fix: delete that step directory to resume from the "
-            "previous step, or start afresh with --config.train.resume=False and a new --workdir"
-            + ("" if fallback_to_previous else ", or restore with fallback_to_previous=True"))
+            "cannot restore " + "; ".join(f"{self.step_dir(s)}: {why}" for s, why in errors.items())
+            + ". Nothing was changed. Fix: move that step directory out of checkpoints/ to resume from the previous "
+            "step, or start afresh with --config.train.restart=True (moves the old run aside) or a new --workdir"
+            + ("" if fallback_to_previous else " (or set --config.train.fallback_to_previous=True)"))
+
+    def _set_aside(self, step: int, why: str) -> None:
+        """Move a damaged step out of the managed directory (never delete it), so the run can redo that step."""
+        target = self.rejected_directory / f"{step}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+        if multihost.is_main():  # every process found the step damaged (the fingerprints are global); one moves it
+            self.rejected_directory.mkdir(parents=True, exist_ok=True)
+            epath.Path(self.step_dir(step)).rename(target)
+        multihost.barrier("checkpoint_set_aside")
+        self._manager.reload()
+        self.rejected[step] = why
+        logging.warning("checkpoint %s is damaged (%s): moved to %s, an older step is restored", self.step_dir(step),
+                        why, target)
 
     def restore_latest(self, state_target: Any = None, fallback_to_previous: bool = False) -> Snapshot | None:
         """Automatic resume: the latest snapshot, or None when the workdir has no checkpoint yet."""
@@ -139,19 +193,108 @@ class Checkpointer:
         return self.restore(state_target=state_target, fallback_to_previous=fallback_to_previous)
 
     def _read(self, step: int, state_target: Any) -> Snapshot:
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(state_target), data=ocp.args.JsonRestore(),
-                                          rng=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        with _quiet():
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(state_target),
+                                              data=ocp.args.JsonRestore(), rng=ocp.args.JsonRestore(),
+                                              meta=ocp.args.JsonRestore()))
         meta = restored["meta"]
         if meta["step"] != step:
             raise CheckpointError(f"its metadata names step {meta['step']}")
+        _verify(fingerprint(restored["state"]), meta.get("fingerprints"))
         return Snapshot(step=step, state=restored["state"], data_state=restored["data"],
                         rng=_decode_keys(restored["rng"]), metadata=meta["metadata"], metric=meta["metric"])
 
 
-def _rank(metrics: Mapping[str, Any]) -> tuple[float, int]:
-    """Greater is better; among equal values the earlier step wins."""
-    return metrics["value"], -metrics["step"]
+def fingerprint(state: Any) -> dict[str, dict[str, Any]]:
+    """Per array of `state` (by path): dtype, whether it is finite, and two wrapping uint32 sums of its bits (plain
+    and position-weighted), computed on the array's own devices and exact whatever the sharding."""
+    flat = [(path, jax.numpy.asarray(x)) for path, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    groups: dict[frozenset, list[int]] = {}  # one program per device set (agents may own disjoint devices)
+    for i, (_, x) in enumerate(flat):
+        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    sums: list[Any] = [None] * len(flat)
+    for indices in groups.values():
+        for i, result in zip(indices, _all_sums([flat[i][1] for i in indices])):
+            sums[i] = result
+    sums = jax.device_get(sums)
+    return {_path_name(path): {"dtype": str(np.dtype(x.dtype)), "finite": bool(finite), "sums": [int(a), int(b)]}
+            for (path, x), (a, b, finite) in zip(flat, sums)}
+
+
+@jax.jit
+def _all_sums(arrays: list[jax.Array]) -> list:
+    return [_sums(x) for x in arrays]
+
+
+def _sums(x: jax.Array):
+    jnp = jax.numpy
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    weights = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0) if x.ndim else jnp.uint32(0)
+    for axis in range(1, x.ndim):  # the row-major position of each element, wrapping
+        weights = weights * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    return jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * (2 * weights + 1), dtype=jnp.uint32), finite
+
+
+def _verify(restored: Mapping[str, Mapping[str, Any]], saved: Mapping[str, Mapping[str, Any]] | None) -> None:
+    """Raise CheckpointError for a restored array that is not finite or differs from its fingerprint at save
+    (checkpoints written before fingerprints existed get the finiteness check only)."""
+    for name, entry in restored.items():
+        expected = (saved or {}).get(name)
+        if expected is not None and expected["dtype"] == entry["dtype"] and expected["sums"] != entry["sums"]:
+            raise CheckpointError(f"array {name} does not match its checksum written at save (corrupted data)")
+        if not entry["finite"]:
+            raise CheckpointError(f"array {name} holds NaN or inf")
+
+
+def _path_name(path) -> str:
+    """'qwen/opt_state/0/mu/w': the same for a namedtuple and the dict Orbax restores it as."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _one_line(error: Exception) -> str:
+    """The first line of an Orbax/tensorstore error, without the JSON spec it appends."""
+    text = str(error).split("See full TensorStore details")[0].strip().splitlines()
+    return f"{type(error).__name__}: {(text[0] if text else '')[:300]}"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Orbax logs each failed read at ERROR, with the whole tensorstore spec; the caller reports one line instead."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.FATAL)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def _values(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """A step's metric values by key (checkpoints written before per-key metrics hold one "value")."""
+    return dict(metrics["values"]) if "values" in metrics else {"value": metrics["value"]}
+
+
+def _best_per_key(steps_and_metrics) -> dict[str, int]:
+    """key -> the step of its greatest value (earliest among equals) over (step, metrics or None) pairs."""
+    best: dict[str, tuple[float, int]] = {}
+    for step, metrics in sorted(steps_and_metrics, key=lambda x: x[0]):
+        for key, value in (_values(metrics) if metrics else {}).items():
+            if key not in best or value > best[key][0]:
+                best[key] = (value, step)
+    return {key: step for key, (_, step) in best.items()}
+
+
+class _BestPerKey(_policies.PreservationPolicy):
+    """Orbax preservation policy: keep every step that is some metric key's best."""
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        keep = set(_best_per_key([(c.step, c.metrics) for c in checkpoints]).values())
+        return [c.step in keep for c in checkpoints]
 
 
 def _encode_keys(keys: Mapping[str, jax.Array]) -> dict[str, dict[str, Any]]:

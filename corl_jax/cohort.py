@@ -22,18 +22,19 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 
 from corl_jax import grpo, multihost
-from corl_jax.config import topology_of
-from corl_jax.data import PromptBlock
+from corl_jax.config import ConfigError, topology_of
+from corl_jax.data import DataError, Problem, PromptBlock
 from corl_jax.models import Policy, from_pretrained, positions_from_mask
 from corl_jax.models.sharding import batch_sharding, make_mesh
 from corl_jax.optim import make_optimizer, make_schedule
 from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Completions, Sampler
 from corl_jax.tasks import make_task
-from corl_jax.tokenization import decode_completions, encode_prompts, stop_token_ids
+from corl_jax.tokenization import decode_completions, encode_prompts, prompt_lengths, stop_token_ids
 from corl_jax.zoo import resolve_model_paths
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -96,8 +97,48 @@ def load_agents(config: ml_collections.ConfigDict, total_steps: int) -> list[Age
     for index, ((name, spec), path) in enumerate(zip(config.agents.items(), paths)):
         policy = from_pretrained(path, dtype=_DTYPES[spec.param_dtype], compute_dtype=_DTYPES[spec.compute_dtype],
                                  mesh=meshes[index], remat=config.grpo.remat, attention=config.grpo.attention)
+        _check_checkpoint(name, spec, path, policy)
         agents.append(make_agent(config, name, index, policy, stop_token_ids(policy.tokenizer, path), total_steps))
     return agents
+
+
+def _check_checkpoint(name: str, spec: ml_collections.ConfigDict, path: str, policy: Policy) -> None:
+    """The agent's family is the architecture of its checkpoint, and its tokenizer fits the model's vocabulary."""
+    if policy.config.model_type != spec.family:
+        raise ConfigError(f"config.agents.{name}.family: {spec.family!r}, but {path} holds a "
+                          f"{policy.config.model_type} model. Fix: set family={policy.config.model_type!r}, or point "
+                          "model_path at a checkpoint of that family")
+    tokens, vocab = len(policy.tokenizer), policy.config.vocab_size
+    if tokens > vocab:
+        raise ConfigError(f"config.agents.{name}.model_path: the tokenizer in {path} has {tokens} tokens but the "
+                          f"model's vocab_size is {vocab} (ids from {vocab} on have no embedding). Fix: use the "
+                          "tokenizer files that belong to these weights")
+
+
+def check_prompt_lengths(agents: list[Agent], problems: list[Problem], max_prompt_len: int,
+                         skip_bad_rows: bool) -> list[Problem]:
+    """`problems` whose chat prompt fits `max_prompt_len` tokens for every agent. An over-long one raises a
+    DataError naming its source row, or with `skip_bad_rows` is dropped with a warning."""
+    too_long: dict[int, tuple[str, int]] = {}
+    for agent in agents:
+        texts = [getattr(p, agent.text_field) or p.text for p in problems]
+        lengths = prompt_lengths(agent.policy.tokenizer, texts, chat_template=agent.chat_template)
+        for i, n in enumerate(lengths):
+            if n > max_prompt_len:
+                too_long.setdefault(i, (agent.name, n))
+    if not too_long:
+        return problems
+    first = min(too_long)
+    where = (f"{problems[first].source}: row {problems[first].id}: its prompt has {too_long[first][1]} tokens for "
+             f"agent {too_long[first][0]}, more than rollout.max_prompt_len={max_prompt_len}")
+    if not skip_bad_rows:
+        raise DataError(f"{where} ({len(too_long)} of {len(problems)} rows are too long). Fix: raise "
+                        "config.rollout.max_prompt_len, or set config.data.skip_bad_rows=True to drop such rows")
+    kept = [p for i, p in enumerate(problems) if i not in too_long]
+    if not kept:
+        raise DataError(f"{where}, and so is every other row. Fix: raise config.rollout.max_prompt_len")
+    logging.warning("%s; dropped %d such rows of %d (data.skip_bad_rows)", where, len(too_long), len(problems))
+    return kept
 
 
 def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy: Policy, stop_ids,

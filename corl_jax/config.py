@@ -12,6 +12,7 @@ from corl_jax import arithmetic
 from corl_jax.data import arithmetic_source
 from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from corl_jax.sampling.engine import ATTENTION_IMPLS as DECODE_ATTENTION_IMPLS
+from corl_jax.zoo import FAMILIES
 
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
 TASKS = ("math", "code")  # what the prompts ask for and how answers are keyed and graded (corl_jax/tasks.py)
@@ -20,6 +21,11 @@ CO_RL_TOPOLOGIES = ("pair", "ring", "peer_majority")
 METHOD_TOPOLOGY = {"ttrl": "self", "gt_reward": "ground_truth", "rent": "intrinsic", "intuitor": "intrinsic"}
 LOSS_TYPES = ("bnpo", "grpo", "dr_grpo", "dapo")
 PLACEMENTS = ("shared", "partitioned")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the fix."""
 
 
 def agent_config(model_path: str, family: str, **overrides) -> ml_collections.ConfigDict:
@@ -71,7 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
             "top_p": 1.0,
             "top_k": 0,
             "min_p": 0.0,
-            "decode_attention": "auto",  # attention over the KV cache: auto (pallas kernel on GPUs) / pallas / xla
+            "decode_attention": "auto",  # attention over the KV cache: auto (pallas kernel on GPUs/TPUs) / pallas / xla
     })
     c.grpo = ml_collections.ConfigDict({
             "loss_type": "bnpo",
@@ -106,7 +112,9 @@ def base_config() -> ml_collections.ConfigDict:
             "eval_batch_prompts": 64,
             "save_every": 10,
             "keep_last": 2,
-            "resume": True,
+            "resume": True,             # continue the run in a used workdir (see corl_jax/workdir.py)
+            "restart": False,           # start afresh in a used workdir: the old run moves to previous-<time>/
+            "fallback_to_previous": True,  # a damaged latest checkpoint is set aside; resume from the one before
             "max_nonfinite_updates": 3,
             "log_records": True,        # per-prompt vote records (records.jsonl) for the error-overlap analysis
     })
@@ -137,7 +145,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     """Raise ValueError naming the offending key and the fix for a config that cannot run."""
 
     def fail(key: str, problem: str, fix: str):
-        raise ValueError(f"config.{key}: {problem}. Fix: {fix}")
+        raise ConfigError(f"config.{key}: {problem}. Fix: {fix}")
+
+    def at_least(key: str, minimum: int, fix: str):
+        section, _, name = key.partition(".")
+        value = config[section][name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            fail(key, f"{value!r} is not an integer of at least {minimum}", fix)
 
     if config.method not in METHODS:
         fail("method", f"unknown method {config.method!r}", f"use one of {METHODS}")
@@ -170,6 +184,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
             fail(f"agents.{name}.model_path", "empty", "point it at a local Hugging Face checkpoint directory")
         if agent.text_field not in ("text", "rephrased"):
             fail(f"agents.{name}.text_field", f"unknown {agent.text_field!r}", "use 'text' or 'rephrased'")
+        if agent.family not in FAMILIES:
+            fail(f"agents.{name}.family", f"unknown family {agent.family!r}", f"use one of {FAMILIES}")
+        kind, _, built_in = agent.model_path.partition(":")
+        if kind in VARIANTS[1:] and built_in and built_in != agent.family:  # the checkpoint's architecture decides
+            fail(f"agents.{name}.family", f"{agent.family!r}, but its model_path {agent.model_path!r} is a "
+                 f"{built_in} model", f"set model_path={kind}:{agent.family} too (the variant fixed it to the "
+                 "family of the config file), or leave the family as it was")
+        for key in ("param_dtype", "compute_dtype"):
+            if agent[key] not in DTYPES:
+                fail(f"agents.{name}.{key}", f"unknown dtype {agent[key]!r}", f"use one of {DTYPES}")
     r = config.rollout
     if r.num_generations < 2:
         fail("rollout.num_generations", f"G={r.num_generations}: group advantages need at least 2 completions",
@@ -183,6 +207,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
              f"use one of {DECODE_ATTENTION_IMPLS}")
     if r.temperature < 0:
         fail("rollout.temperature", "negative", "use 0 for greedy or a positive temperature")
+    if r.top_k < 0:
+        fail("rollout.top_k", f"{r.top_k} is negative", "use 0 to disable top-k sampling")
+    if not 0.0 <= r.min_p < 1.0:
+        fail("rollout.min_p", f"{r.min_p} is outside [0, 1)", "use 0 to disable min-p sampling")
+    at_least("rollout.max_new_tokens", 1, "allow at least one generated token (the reference: 1024)")
+    at_least("rollout.max_prompt_len", 1, "set the longest prompt in tokens (the reference: 1024)")
     g = config.grpo
     if g.loss_type not in LOSS_TYPES:
         fail("grpo.loss_type", f"unknown {g.loss_type!r}", f"use one of {LOSS_TYPES}")
@@ -194,6 +224,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         fail("grpo.attention", f"unknown implementation {g.attention!r}", f"use one of {ATTENTION_IMPLS}")
     if g.num_iterations < 1:
         fail("grpo.num_iterations", "must be at least 1", "set 1 (the reference)")
+    at_least("grpo.micro_batch_size", 1, "set a positive divisor of prompts_per_step * num_generations")
+    at_least("grpo.logprob_chunk_size", 1, "set a positive number of positions (e.g. 128)")
+    if g.eps_low < 0 or g.eps_high < 0 or g.beta < 0:
+        fail("grpo.eps_low/eps_high/beta", "negative", "use non-negative clipping ranges and KL coefficient")
+    if config.optim.learning_rate <= 0:
+        fail("optim.learning_rate", f"{config.optim.learning_rate} is not positive", "set e.g. 1e-6 (the reference)")
     batch = r.prompts_per_step * r.num_generations
     if batch % g.micro_batch_size:
         fail("grpo.micro_batch_size", f"{g.micro_batch_size} does not divide the {batch} completions of a step",
@@ -202,8 +238,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
         fail("placement", f"unknown {config.placement!r}", f"use one of {PLACEMENTS}")
     if config.train.eval_samples_per_prompt < 1:
         fail("train.eval_samples_per_prompt", "must be at least 1", "set 1 (the reference) or more")
-    if config.train.max_steps < 1:
-        fail("train.max_steps", "must be at least 1", "set a positive number of steps")
+    at_least("train.max_steps", 1, "set a positive number of steps")
+    at_least("train.save_every", 1, "save every N >= 1 steps (the last step is always saved)")
+    at_least("train.eval_every", 1, "evaluate every N >= 1 steps; a value above max_steps evaluates only at the end")
+    at_least("train.eval_batch_prompts", 1, "set a positive number of prompts per evaluation batch")
+    at_least("train.eval_max_new_tokens", 1, "allow at least one generated token in evaluation")
+    at_least("train.keep_last", 1, "keep at least the latest checkpoint")
+    at_least("train.max_nonfinite_updates", 0, "set 0 to stop at the first non-finite update")
+    for key in ("holdout_size", "max_train_samples", "max_eval_samples"):
+        at_least(f"data.{key}", 0, "use 0 for none/all")
 
 
 VARIANTS = ("", "tiny", "demo")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
+import signal
+import threading
 import time
 
 import jax
@@ -14,30 +15,11 @@ from tqdm import tqdm
 
 from corl_jax import multihost
 from corl_jax.checkpointing import Checkpointer, Snapshot
-from corl_jax.cohort import Cohort, load_agents
+from corl_jax import workdir as run_dir
+from corl_jax.cohort import Cohort, check_prompt_lengths, load_agents
 from corl_jax.data import PromptStream, load_train_and_eval
 from corl_jax.metrics import RunLog, write_json
-
-
-@dataclasses.dataclass
-class EvalHistory:
-    """Per agent: accuracy at each evaluated step; the best is the first strictly greatest (the reference's keeper)."""
-
-    by_agent: dict[str, dict[int, float]]
-
-    def add(self, step: int, accuracies: dict[str, float]) -> None:
-        for name, acc in accuracies.items():
-            self.by_agent.setdefault(name, {})[step] = acc
-
-    def summary(self) -> dict[str, dict[str, float | int | None]]:
-        out = {}
-        for name, history in self.by_agent.items():
-            steps = sorted(history)
-            best = max(steps, key=lambda s: (history[s], -s)) if steps else None
-            out[name] = {"initial_accuracy": history[steps[0]] if steps else None,
-                         "final_accuracy": history[steps[-1]] if steps else None,
-                         "best_accuracy": history[best] if steps else None, "best_step": best}
-        return out
+from corl_jax.runs import EvalHistory
 
 
 def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
@@ -65,28 +47,68 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
     return {name: int(c) / (len(problems) * k) for name, c in zip(counts, correct)}
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Train (or resume) the run of `config` in `workdir`; returns the summary written to summary.json."""
+class Interrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving the step it had finished."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; its checkpoint is saved. "
+                         "Resume: run the same command again")
+        self.signum, self.step = signum, step
+
+
+class StopRequest:
+    """While active, SIGINT/SIGTERM only set `signum` (`train` then finishes its step, saves and raises
+    Interrupted). A second signal gets the previous handler: stop at once, the last checkpoint stands."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        tqdm.write(f"{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+                   "(signal again to stop at once without saving)")
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | None = None) -> dict:
+    """Train (or resume) the run of `config` in `workdir`; returns the summary written to summary.json.
+
+    Its "faults" list names what went wrong and was recovered from (a damaged checkpoint set aside), over the
+    whole run; `corl_jax.train` then exits non-zero. Once `stop` has caught a signal, the step in progress is
+    finished and saved, then Interrupted is raised."""
     workdir = epath.Path(workdir)
-    if multihost.is_main():
-        workdir.mkdir(parents=True, exist_ok=True)
+    changes = _prepare_workdir(config, workdir)
     train_problems, eval_problems = load_train_and_eval(
         config.data, train_needs_answers=config.method == "gt_reward")
-    stream = PromptStream(train_problems, config.rollout.prompts_per_step, config.data_seed)
     total_steps = config.train.max_steps
     cohort = Cohort(config, load_agents(config, total_steps))
+    lengths = dict(max_prompt_len=config.rollout.max_prompt_len, skip_bad_rows=config.data.skip_bad_rows)
+    train_problems = check_prompt_lengths(cohort.agents, train_problems, **lengths)
+    eval_problems = check_prompt_lengths(cohort.agents, eval_problems, **lengths)
+    stream = PromptStream(train_problems, config.rollout.prompts_per_step, config.data_seed)
     # Synchronous saves: the next update donates the parameter buffers that a pending async save would still read.
     checkpointer = Checkpointer(workdir, keep_last=config.train.keep_last, async_save=False)
     history = EvalHistory({})
     nonfinite = {a.name: 0 for a in cohort.agents}
+    faults: list[str] = []
     start = 0
-    latest = checkpointer.latest_step() if config.train.resume else None
-    if latest is not None:
-        start, history, nonfinite = _restore(checkpointer, cohort, stream, latest)
+    if checkpointer.latest_step() is not None:
+        start, history, nonfinite, faults = _restore(checkpointer, cohort, stream, config.train.fallback_to_previous)
         logging.info("resumed from step %d of %s", start, workdir)
     main = multihost.is_main()  # one process writes the run's files and prints; all of them save checkpoints
     if main:
-        _write_config(config, workdir)
+        run_dir.record_config(config, workdir, start, changes)
     log = RunLog(workdir, resume_step=start, active=main)
 
     def maybe_eval(step: int) -> dict[str, float] | None:
@@ -116,23 +138,30 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         log.scalars(step, flat)
         if config.train.log_records:
             log.records(records)
-        accuracies = maybe_eval(step)
-        if step % config.train.save_every == 0 or step == total_steps:
-            metric = None if accuracies is None else float(np.mean(list(accuracies.values())))
-            checkpointer.save(_snapshot(cohort, stream, step, history, nonfinite, metric))
+        # Every process stops after the same step (a signal may reach them in different steps).
+        stopping = multihost.any_process(stop is not None and stop.signum is not None)
+        accuracies = None if stopping else maybe_eval(step)
+        # An agent's new best is saved even off the save_every schedule, so every best step has its weights.
+        new_best = accuracies is not None and any(history.best_step(name) == step for name in accuracies)
+        if step % config.train.save_every == 0 or step == total_steps or new_best or stopping:
+            checkpointer.save(_snapshot(cohort, stream, step, history, nonfinite, faults, accuracies))
         bar.set_postfix({f"{n}": f"r={m['reward']:.2f}" for n, m in metrics.items()})
         bar.update(1)
+        if stopping:
+            checkpointer.close()
+            log.close()
+            raise Interrupted(stop.signum or signal.SIGTERM, step)  # None: another process was signalled
     bar.close()
     checkpointer.wait()
     checkpointer.close()
     log.close()
-    summary = {"agents": history.summary(), "steps": total_steps, "nonfinite_updates": nonfinite,
-               "best_checkpoint_step": _best_step(workdir)}
+    summary = {"agents": history.summary(), "steps": total_steps, "nonfinite_updates": nonfinite, "faults": faults}
     if main:
         write_json(workdir / "summary.json", summary)
     for name, s in summary["agents"].items():
+        best = "no step beat the base model (step 0)" if s["best_is_base"] else f"at step {s['best_step']}"
         _print(f"{name}: eval accuracy {s['initial_accuracy']} -> {s['final_accuracy']} "
-                   f"(best {s['best_accuracy']} at step {s['best_step']})")
+               f"(best {s['best_accuracy']} {best})")
     return summary
 
 
@@ -148,37 +177,42 @@ def _check_nonfinite(counts: dict[str, int], limit: int, step: int) -> None:
 
 
 def _snapshot(cohort: Cohort, stream: PromptStream, step: int, history: EvalHistory, nonfinite: dict,
-              metric: float | None) -> Snapshot:
+              faults: list[str], accuracies: dict[str, float] | None) -> Snapshot:
     state = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
     return Snapshot(step=step, state=state, data_state=stream.get_state(),
                     rng={a.name: a.key for a in cohort.agents},
-                    metadata={"eval_history": {n: {str(s): v for s, v in h.items()}
-                                               for n, h in history.by_agent.items()},
-                              "nonfinite": nonfinite},
-                    metric=metric)
+                    metadata={"eval_history": history.to_json(), "nonfinite": nonfinite, "faults": faults},
+                    metric=accuracies)  # per agent: the checkpointer keeps every agent's best step
 
 
-def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, step: int):
+def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, fallback: bool):
+    """Load the latest good checkpoint into the cohort and the stream; (step, history, nonfinite, faults)."""
     target = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
-    snap = checkpointer.restore(step, state_target=jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target))
+    snap = checkpointer.restore(state_target=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target), fallback_to_previous=fallback)
     for agent in cohort.agents:
         agent.params = snap.state[agent.name]["params"]
         agent.opt_state = snap.state[agent.name]["opt_state"]
         agent.key = snap.rng[agent.name]
     stream.set_state(snap.data_state)
-    history = EvalHistory({n: {int(s): v for s, v in h.items()}
-                           for n, h in snap.metadata.get("eval_history", {}).items()})
-    return snap.step, history, dict(snap.metadata.get("nonfinite", {}))
+    history = EvalHistory.from_json(snap.metadata.get("eval_history", {}))
+    faults = [f"checkpoint step {bad} was damaged ({why}); moved to {checkpointer.rejected_directory}, resumed from "
+              f"step {snap.step}" for bad, why in checkpointer.rejected.items()]
+    return snap.step, history, dict(snap.metadata.get("nonfinite", {})), snap.metadata.get("faults", []) + faults
 
 
-def _best_step(workdir: str) -> int | None:
-    with Checkpointer(workdir) as c:
-        return c.best_step()
-
-
-def _write_config(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+def _prepare_workdir(config: ml_collections.ConfigDict, workdir: epath.Path) -> dict:
+    """`workdir.prepare` on process 0 (it may move an old run aside); the others go on (and look for checkpoints)
+    once it is done, and raise its WorkdirError too."""
+    changes, error = {}, None
+    if multihost.is_main():
+        try:
+            changes = run_dir.prepare(config, workdir)
+        except run_dir.WorkdirError as e:
+            error = e
+    if not multihost.broadcast(np.array(error is None, np.int32)):  # a collective: also the barrier
+        raise error or run_dir.WorkdirError(f"process 0 refused workdir {workdir} (its output says why)")
+    return changes
 
 
 def _print(line: str) -> None:

@@ -69,3 +69,16 @@ def check_spans_processes(devices, what: str) -> None:
         raise ValueError(f"{what} uses no device of process(es) {missing}; with several processes every agent's "
                          "mesh must span all of them. Fix: config.mesh.data=-1 (all devices) or a mesh that covers "
                          "every host's devices")
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches this point (e.g. after process 0 changed files the others read next)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on some process (a collective: every process must call this in the same order)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))

@@ -67,14 +67,18 @@ def _read_chat_template(value: str) -> str:
 def chat_prompt(tokenizer, problem: str, *, chat_template: str | None = None) -> str:
     """The prompt text for ``problem``: one user message through the chat template, with the
     generation prompt. ``chat_template`` (Jinja text) overrides the tokenizer's template."""
+    return render_chat(tokenizer, build_prompt_text(problem), chat_template=chat_template)
+
+
+def render_chat(tokenizer, message: str, *, chat_template: str | None = None) -> str:
+    """One user turn ``message`` through the chat template (or ``chat_template``), with the generation prompt."""
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError(
             f"tokenizer {tokenizer.name_or_path!r} has no chat template; set `chat_template` in its "
             "tokenizer_config.json (or add chat_template.jinja), or pass "
-            "--config.agents.<name>.chat_template=<Jinja text or template file>")
-    messages = [{"role": "user", "content": build_prompt_text(problem)}]
-    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=True)
+            "--config.agents.<name>.chat_template=<Jinja text or template file> (eval: --chat_template=False)")
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], chat_template=chat_template,
+                                         tokenize=False, add_generation_prompt=True)
 
 
 def bucket_length(length: int, bucket: int | Literal["pow2"]) -> int:
@@ -96,8 +100,14 @@ def encode_prompts(tokenizer, problems: Sequence[str], *, max_prompt_len: int | 
     """
     if len(problems) == 0:
         raise ValueError("encode_prompts got no problems")
-    texts = [chat_prompt(tokenizer, p, chat_template=chat_template) for p in problems]
-    token_lists = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return left_pad(_prompt_tokens(tokenizer, problems, chat_template), tokenizer.pad_token_id,
+                    max_prompt_len=max_prompt_len, bucket=bucket)
+
+
+def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int, *, max_prompt_len: int | None = None,
+             bucket: int | Literal["pow2"] = 64) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists as a left-padded ``(ids int32 [P, Tb], mask bool [P, Tb])``, Tb the longest rounded up to
+    ``bucket`` and capped at ``max_prompt_len`` (a longer prompt is an error)."""
     lengths = [len(t) for t in token_lists]
     longest = max(lengths)
     if max_prompt_len is not None and longest > max_prompt_len:
@@ -105,17 +115,27 @@ def encode_prompts(tokenizer, problems: Sequence[str], *, max_prompt_len: int | 
         first = too_long[0]
         raise ValueError(
             f"prompt {first} has {lengths[first]} tokens, more than max_prompt_len={max_prompt_len} "
-            f"({len(too_long)} of {len(problems)} prompts are too long, the longest has {longest}); "
+            f"({len(too_long)} of {len(token_lists)} prompts are too long, the longest has {longest}); "
             "raise max_prompt_len or filter those prompts out of the dataset")
     width = bucket_length(longest, bucket)
     if max_prompt_len is not None:
         width = min(width, max_prompt_len)
-    ids = np.full((len(problems), width), tokenizer.pad_token_id, dtype=np.int32)
-    mask = np.zeros((len(problems), width), dtype=bool)
+    ids = np.full((len(token_lists), width), pad_id, dtype=np.int32)
+    mask = np.zeros((len(token_lists), width), dtype=bool)
     for row, tokens in enumerate(token_lists):
         ids[row, width - len(tokens):] = tokens
         mask[row, width - len(tokens):] = True
     return ids, mask
+
+
+def prompt_lengths(tokenizer, problems: Sequence[str], *, chat_template: str | None = None) -> list[int]:
+    """The token count of each problem's chat prompt, as `encode_prompts` would encode it."""
+    return [len(tokens) for tokens in _prompt_tokens(tokenizer, problems, chat_template)] if problems else []
+
+
+def _prompt_tokens(tokenizer, problems: Sequence[str], chat_template: str | None) -> list[list[int]]:
+    texts = [chat_prompt(tokenizer, p, chat_template=chat_template) for p in problems]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def stop_token_ids(tokenizer, checkpoint_dir: str | os.PathLike) -> tuple[int, ...]:

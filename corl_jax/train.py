@@ -1,62 +1,112 @@
 """Train a Co-RL cohort (or a baseline): `python -m corl_jax.train --config=configs/ring3.py[:variant] --workdir=DIR`.
 
 Any config key can be overridden, e.g. `--config.rollout.num_generations=4`; an unknown key is an error that names
-it. A workdir that already holds checkpoints is resumed from its latest step (unless `--config.train.resume=False`).
+it. A used workdir is resumed from its latest good checkpoint; `--config.train.restart=True` moves its old run aside
+and starts afresh (docs/faults.md: what is guaranteed, and the exit statuses).
 On several hosts, launch the same command on every host: `jax.distributed` is initialised from the environment
-(Cloud TPU VMs, SLURM, JAX_COORDINATOR_ADDRESS) or from --coordinator_address/--num_processes/--process_id.
+(Cloud TPU VMs, SLURM, JAX_COORDINATOR_ADDRESS) or from --coordinator_address/--num_processes/--process_id
+(docs/multihost.md).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file, optionally with ':variant'.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard, summary.")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", None, "Call jax.distributed.initialize() (default: when a multi-host environment is detected "
-    "or --coordinator_address is given).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (default: auto-detected).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (default: auto-detected).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (default: auto-detected).")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The trainer's command line (defined only when a command runs, so the CLI modules import side by side)."""
+    config_flags.DEFINE_config_file("config", None, "Experiment config file, optionally with ':variant'.")
+    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard, summary.")
+    flags.DEFINE_bool("distributed", None, "Call jax.distributed.initialize() (default: when a multi-host environment "
+                      "is detected or --coordinator_address is given).")
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (default: auto-detected).")
+    flags.DEFINE_integer("num_processes", None, "Number of processes (default: auto-detected).")
+    flags.DEFINE_integer("process_id", None, "This process's index (default: auto-detected).")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with config-override errors turned into one readable line."""
     try:
-        return flags.FLAGS(argv)
-    except AttributeError as e:  # ml_collections: override of a key the config does not have
-        detail = e.args[0].args[0] if e.args and isinstance(e.args[0], KeyError) else str(e)
-        sys.exit(f"error: a --config.* override names a key the config does not have: {detail}\n"
-                 "Fix: correct the key; the valid keys are those of the config file (printed at start).")
-    except flags.Error as e:
-        sys.exit(f"error: {e}")
+        argv = flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:  # ml_collections: override of a key (or section) the config lacks
+        detail = e.args[0].args[0] if e.args and isinstance(e.args[0], KeyError) else str(e.args[0] if e.args else e)
+        detail = " ".join(str(detail).split())
+        _exit_usage(f"a --config.* override names a key the config does not have: {detail}. Fix: correct the "
+                    "key; the valid keys are those of the config file")
+    except flags.Error as e:  # a config file that raised: its traceback's last line names the problem
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        _exit_usage(f"{lines[0].split(':')[0]}: {lines[-1]}" if lines else type(e).__name__)
+    path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":")[0] if flags.FLAGS["config"].present \
+        else None
+    if path is not None and not os.path.isfile(path):
+        _exit_usage(f"config file {path} does not exist. Fix: pass --config=configs/<name>.py[:variant]")
+    return argv
+
+
+def _exit_usage(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _CONFIG.value is None or not _WORKDIR.value:
+    if FLAGS.config is None or not FLAGS.workdir:
         raise app.UsageError("both --config=configs/<name>.py[:variant] and --workdir=DIR are required")
     if not flags.FLAGS["verbosity"].present:  # keep the console to the progress bar; --verbosity=0 shows INFO logs
         logging.set_verbosity(logging.WARNING)
     from corl_jax import multihost
 
-    distributed = _DISTRIBUTED.value
+    distributed = FLAGS.distributed
     if distributed is None:
-        distributed = _COORDINATOR.value is not None or multihost.multi_host_environment()
+        distributed = FLAGS.coordinator_address is not None or multihost.multi_host_environment()
     if distributed:
-        multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    from corl_jax.config import validate
-    from corl_jax.loop import train
+        multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    sys.exit(run(FLAGS.config, FLAGS.workdir))
 
-    config = _CONFIG.value
-    validate(config)
-    logging.info("config:\n%s", config)
-    train(config, _WORKDIR.value)
+
+def run(config, workdir: str) -> int:
+    """Validate `config` and train in `workdir`; returns the exit status: 0 done; 1 training failed (non-finite
+    values); 2 a bad config, data source, model path, workdir or checkpoint (one line, before any step when it can);
+    3 done, but after recovering from a fault (summary.json lists it); 130/143 stopped by SIGINT/SIGTERM after
+    saving a checkpoint."""
+    from corl_jax import multihost
+    from corl_jax.checkpointing import CheckpointError
+    from corl_jax.config import ConfigError, validate
+    from corl_jax.data import DataError
+    from corl_jax.loop import Interrupted, StopRequest, train
+    from corl_jax.workdir import WorkdirError
+
+    try:
+        validate(config)
+        logging.info("config:\n%s", config)
+        with StopRequest() as stop:
+            summary = train(config, workdir, stop)
+    except (ConfigError, DataError, WorkdirError, CheckpointError, FileNotFoundError, NotADirectoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("interrupted: stopped at once; the last saved checkpoint stands", file=sys.stderr)
+        return 130
+    if summary["faults"]:
+        if multihost.is_main():
+            print("finished, but after recovering from: " + "; ".join(summary["faults"]), file=sys.stderr)
+        return 3
+    return 0
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main, flags_parser=_parse_flags)

@@ -1,4 +1,5 @@
-"""Orbax checkpoints: exact round trip, retention of the last N plus the best, damaged steps, resharding."""
+"""Orbax checkpoints: exact round trip, retention of the last N plus the best, damaged or corrupted steps (checksums,
+non-finite states), resharding."""
 
 import json
 import os
@@ -8,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from corl_jax.checkpointing import CheckpointError, Checkpointer, Snapshot
+from corl_jax.checkpointing import CheckpointError, Checkpointer, NonFiniteStateError, Snapshot
 from corl_jax.data import Problem, PromptStream
 
 
@@ -73,19 +75,53 @@ def test_keeps_the_last_n_plus_the_best_across_restarts(tmp_path):
         for step, metric in metrics.items():
             checkpointer.save(snapshot(step, metric=metric))
         checkpointer.wait()
-        assert checkpointer.all_steps() == [3, 5, 6] and checkpointer.best_step() == 3  # earliest of equal bests
+        assert checkpointer.all_steps() == [3, 5, 6]  # 3: the earliest of the equal bests
     with Checkpointer(str(tmp_path), keep_last=2) as checkpointer:
         for step in (7, 8):
             checkpointer.save(snapshot(step))
         checkpointer.save(snapshot(9, metric=0.6))
         checkpointer.wait()
-        assert checkpointer.all_steps() == [3, 8, 9] and checkpointer.best_step() == 3
+        assert checkpointer.all_steps() == [3, 8, 9]
         assert sorted(os.listdir(checkpointer.directory)) == ["3", "8", "9"]
     with Checkpointer(str(tmp_path / "plain"), keep_last=1, keep_best=False) as checkpointer:
         for step, metric in metrics.items():
             checkpointer.save(snapshot(step, metric=metric))
         checkpointer.wait()
         assert checkpointer.all_steps() == [6]
+
+
+def test_keeps_every_keys_best_step(tmp_path):
+    """Per-agent metrics: each agent's own best step survives keep_last, even when the mean would drop it."""
+    metrics = {1: {"a": 0.2, "b": 0.9}, 2: {"a": 0.6, "b": 0.1}, 3: {"a": 0.6, "b": 0.5}, 4: None,
+               5: {"a": 0.4, "b": 0.4}, 6: None}
+    with Checkpointer(str(tmp_path), keep_last=1) as checkpointer:
+        for step, metric in metrics.items():
+            checkpointer.save(snapshot(step, metric=metric))
+        checkpointer.wait()
+        assert checkpointer.all_steps() == [1, 2, 6]  # a's best 2 (not its tie at 3), b's best 1, the latest
+    with Checkpointer(str(tmp_path), keep_last=1) as checkpointer:  # a restart keeps them too
+        checkpointer.save(snapshot(7, metric={"a": 0.7, "b": 0.0}))
+        checkpointer.wait()
+        assert checkpointer.all_steps() == [1, 7]  # a's new best 7 replaces 2
+        assert checkpointer.read_meta(7)["metric"] == {"a": 0.7, "b": 0.0}
+    with pytest.raises(ValueError, match="not finite"):
+        Checkpointer(str(tmp_path / "nan")).save(snapshot(1, metric={"a": float("nan")}))
+
+
+def test_restore_subtree_reads_only_the_named_part(tmp_path):
+    _, state = train_state()
+    with Checkpointer(str(tmp_path)) as checkpointer:
+        checkpointer.save(Snapshot(step=1, state=state, data_state={}, rng={}))
+        checkpointer.wait()
+        shapes = jax.tree.map(lambda m: m.shape, checkpointer.state_metadata(1))
+        assert shapes["llama"]["params"] == {"w": (4, 3), "b": (3,)}
+        target = {"llama": {"params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding), state["llama"]["params"])}}
+        restored = checkpointer.restore_subtree(1, target)
+    assert set(restored) == {"llama"} and set(restored["llama"]) == {"params"}
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state["llama"]["params"]), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
 
 
 def test_damaged_checkpoint_is_reported_and_never_deleted(tmp_path):
@@ -100,11 +136,56 @@ def test_damaged_checkpoint_is_reported_and_never_deleted(tmp_path):
         with pytest.raises(CheckpointError) as error:
             checkpointer.restore_latest()
         message = str(error.value)
-        assert damaged in message and "delete that step directory" in message and "resume=False" in message
+        assert damaged in message and "JSONDecodeError" in message and "\n" not in message
+        assert "restart=True" in message and "fallback_to_previous=True" in message
+        assert checkpointer.all_steps() == [1, 2]  # nothing changed without the fallback
         assert checkpointer.restore(fallback_to_previous=True).step == 1
-        assert checkpointer.all_steps() == [1, 2] and os.path.isdir(damaged)
+        assert checkpointer.all_steps() == [1] and list(checkpointer.rejected) == [2] and not os.path.exists(damaged)
+        (moved,) = os.listdir(tmp_path / "rejected_checkpoints")  # set aside, never deleted
+        assert moved.startswith("2-") and os.path.isfile(tmp_path / "rejected_checkpoints" / moved / "data" / "metadata")
+        checkpointer.save(snapshot(2))  # the run redoes the step
+        checkpointer.wait()
+        assert checkpointer.restore().step == 2
         with pytest.raises(CheckpointError, match="no checkpoint of step 5"):
             checkpointer.restore(5)
+
+
+def test_silently_changed_array_data_fails_its_checksum(tmp_path):
+    """Array files that tensorstore reads without complaint but that are not what was saved (here: step 1's data
+    under step 2's metadata) are caught by the fingerprints, and with the fallback the older step is restored."""
+    _, state = train_state()
+    with Checkpointer(str(tmp_path), keep_last=3) as checkpointer:
+        checkpointer.save(snapshot(1, state=state))
+        checkpointer.save(snapshot(2, state=jax.tree.map(lambda x: x + 1, state)))
+        checkpointer.wait()
+        shutil.rmtree(os.path.join(checkpointer.step_dir(2), "state"))
+        shutil.copytree(os.path.join(checkpointer.step_dir(1), "state"), os.path.join(checkpointer.step_dir(2), "state"))
+    with Checkpointer(str(tmp_path), keep_last=3) as checkpointer:
+        with pytest.raises(CheckpointError, match="checkpoints/2: CheckpointError: array .* does not match its checksum"):
+            checkpointer.restore(state_target=abstract(state))
+        restored = checkpointer.restore(state_target=abstract(state), fallback_to_previous=True)
+    assert restored.step == 1 and checkpointer.rejected.keys() == {2}
+    jax.tree.map(np.testing.assert_array_equal, restored.state, state)
+
+
+def test_nonfinite_state_is_never_saved_nor_restored(tmp_path):
+    _, state = train_state()
+    poisoned = jax.tree.map(lambda x: x, state)
+    poisoned["llama"]["params"]["w"] = poisoned["llama"]["params"]["w"].at[1, 2].set(jnp.inf)
+    with Checkpointer(str(tmp_path)) as checkpointer:
+        checkpointer.save(snapshot(1, state=state))
+        with pytest.raises(NonFiniteStateError, match="llama/params/w"):
+            checkpointer.save(snapshot(2, state=poisoned, metric=1.0))
+        checkpointer.wait()
+        assert checkpointer.all_steps() == [1] and sorted(os.listdir(checkpointer.directory)) == ["1"]  # no trace
+        # a checkpoint written without fingerprints (an older version of this module) still gets the finiteness check
+        checkpointer._manager.save(3, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(poisoned), data=ocp.args.JsonSave({}), rng=ocp.args.JsonSave({}),
+            meta=ocp.args.JsonSave({"step": 3, "metric": None, "metadata": {}})))
+        checkpointer.wait()
+        with pytest.raises(CheckpointError, match="llama/params/w holds NaN or inf"):
+            checkpointer.restore(3)
+        assert checkpointer.restore(fallback_to_previous=True).step == 1
 
 
 def test_an_interrupted_save_is_ignored_and_redone(tmp_path):

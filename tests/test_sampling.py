@@ -179,7 +179,10 @@ import torch  # noqa: E402  (CPU torch: the transformers oracle)
 import transformers  # noqa: E402
 
 import corl_jax.models as models  # noqa: E402
+from flax import nnx  # noqa: E402
+
 from corl_jax.models import sharding  # noqa: E402
+from corl_jax.sampling import engine  # noqa: E402
 from corl_jax.sampling.engine import Buckets, Sampler, segment_ends  # noqa: E402
 from hf_tiny import hf_logits, make_tiny_hf_checkpoint  # noqa: E402
 
@@ -349,10 +352,25 @@ def test_auto_attention_avoids_the_kernel_for_a_head_dim_triton_cannot_tile(chec
     assert Sampler(four, stop_ids=[0]).attention == "pallas"
 
 
-@pytest.mark.parametrize("attention", ["xla", "pallas"])
-def test_sharded_over_eight_devices_equals_single_device(attention, checkpoint):
-    """Batch over the data axis, kv heads over tensor; the Pallas kernel runs per shard (shard_map)."""
+def test_auto_attention_on_tpu_takes_the_kernel_for_whole_lane_tiles(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    for head_dim, want in ((128, "pallas"), (64, "xla")):
+        config = models.ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=32,
+                                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=head_dim)
+        model = nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0)))
+        assert Sampler(model, stop_ids=[0]).attention == want
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas", "pallas_tpu"])
+def test_sharded_over_eight_devices_equals_single_device(attention, checkpoint, monkeypatch):
+    """Batch over the data axis, kv heads over tensor; the Pallas kernel runs per shard (shard_map). pallas_tpu: the
+    TPU (Mosaic) kernel, interpreted, in the whole sampling program."""
     assert jax.device_count() == 8, "tests/conftest.py provides 8 fake CPU devices"
+    if attention == "pallas_tpu":
+        kernel = engine.decode_attention
+        monkeypatch.setattr(engine, "decode_attention",
+                            lambda *args, backend, **kw: kernel(*args, backend="tpu", interpret=True, **kw))
+        attention = "pallas"
     directory = checkpoint("llama")
     ids, mask = mixed_length_prompts([3, 8, 5, 6, 2, 7, 4, 8], 8, seed=9)
     params = SamplingParams(temperature=0.9, top_p=0.95)

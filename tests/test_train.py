@@ -47,9 +47,14 @@ def test_tiny_variant_runs_end_to_end(name, tmp_path):
     assert summary["steps"] == steps
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert set(on_disk["agents"]) == set(config.agents.keys())
-    for s in on_disk["agents"].values():
-        assert 0.0 <= s["initial_accuracy"] <= 1.0 and s["best_step"] in (0, 2, 3)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kept = Checkpointer(str(tmp_path)).all_steps()
+    for agent, s in on_disk["agents"].items():
+        evals = [(r["step"], r[f"{agent}/eval_reward"]) for r in lines if f"{agent}/eval_reward" in r]
+        assert [step for step, _ in evals] == [0, 2, 3] and 0.0 <= s["initial_accuracy"] <= 1.0
+        best = max(evals, key=lambda e: e[1])  # the first of the greatest accuracies
+        assert (s["best_step"], s["best_accuracy"], s["best_is_base"]) == (best[0], best[1], best[0] == 0)
+        assert s["best_step"] == 0 or s["best_step"] in kept  # its weights survive keep_last
     train_steps = sorted({row["step"] for row in lines if any(k.endswith("/loss") for k in row)})
     assert train_steps == list(range(1, steps + 1))
     row = next(r for r in lines if r["step"] == 1 and any(k.endswith("/loss") for k in r))

@@ -389,7 +389,11 @@ def output_key(text: str, func_name: str | None, call_inputs: Sequence[tuple], *
 def passes_tests(text: str, test_code: str, *, limits: SandboxLimits = TEST_LIMITS) -> bool:
     """GT grading: exec code + test_code, call every callable named `test*`; True only if there
     is at least one and none raises (any BaseException or timeout is a failure)."""
-    code = extract_code(text)
+    return code_passes_tests(extract_code(text), test_code, limits=limits)
+
+
+def code_passes_tests(code: str | None, test_code: str, *, limits: SandboxLimits = TEST_LIMITS) -> bool:
+    """`passes_tests` on program text itself (no fence extraction), e.g. a HumanEval prompt + its completion."""
     _require_str(test_code, "test_code")
     if code is None or not test_code:
         return False

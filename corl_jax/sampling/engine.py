@@ -9,8 +9,8 @@ One compiled program per shape bucket does everything on the device:
    emitted a stop id (or T tokens). The layers run one by one on `Decoder.decode_weights()` (made
    once per call: per-layer buffers in the compute dtype, fused projections). Attention over the
    cache follows the filled length in one of two ways (`Sampler(attention=...)`):
-   * "pallas" (GPUs): `decode_attention`, a flash-decoding kernel that reads only each row's filled
-     cache blocks, in place; one loop for the whole generation.
+   * "pallas" (GPUs, TPUs): `decode_attention`, a flash-decoding kernel (Triton on GPUs, Mosaic on TPUs)
+     that reads only each row's filled cache blocks, in place; one loop for the whole generation.
    * "xla": the loop is cut into *attention segments*: segment j covers steps
      [(j-1)·kv_block, j·kv_block) and attends over the first Tp + j·kv_block cache slots only, so the
      cost of a step follows the filled length to within kv_block.
@@ -24,6 +24,7 @@ program is logged with its bucket and compile time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Sequence
@@ -121,7 +122,7 @@ class Sampler:
         XLA's defaults elsewhere ({} keeps XLA's defaults everywhere).
       attention: decode attention over the cache: "pallas" (the `decode_attention` kernel), "xla" (attention
         segments of `buckets.kv_block` steps) or "auto" (pallas on GPUs when the model's head_dim is a power of
-        two, xla otherwise; see the module docstring).
+        two and on TPUs when it is a multiple of 128, xla otherwise; see the module docstring).
     """
 
     def __init__(self, model: Decoder, *, stop_ids: Sequence[int], pad_id: int = 0, mesh: Mesh | None = None,
@@ -138,14 +139,16 @@ class Sampler:
         self.mesh = mesh
         self.rules = rules
         self.buckets = buckets
+        # the platform the programs are compiled for (compile_check compiles for TPU devices on a CPU host)
+        self.platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         if compiler_options is None:
-            compiler_options = GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else {}
+            compiler_options = GPU_COMPILER_OPTIONS if self.platform == "gpu" else {}
         self.compiler_options = dict(compiler_options)
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"unknown decode attention {attention!r}; use one of {ATTENTION_IMPLS}")
-        if attention == "auto":  # (an explicit "pallas" with a head_dim Triton cannot tile fails in `decode_attention`)
-            gpu = jax.default_backend() == "gpu"
-            attention = "pallas" if gpu and supports_head_dim(model.config.head_dim) else "xla"
+        if attention == "auto":  # (an explicit "pallas" with a head_dim the kernel cannot tile fails in the kernel)
+            fits = self.platform in ("gpu", "tpu") and supports_head_dim(model.config.head_dim, self.platform)
+            attention = "pallas" if fits else "xla"
         self.attention = attention
         self.programs: dict[Any, Any] = {}  # (graphdef, key type, bucket) -> compiled program
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
@@ -179,11 +182,13 @@ class Sampler:
             ids, mask = (jax.device_put(x, batch_sharding(x.shape, self.mesh, self.rules)) for x in (ids, mask))
         graphdef, state = nnx.split(self.model)
         new_bucket = round_up(max_new_tokens, self.buckets.new_tokens)
-        program = self._program(graphdef, state, ids, mask, key, num_samples, new_bucket, params)
+        program = self.program(graphdef, state, ids, mask, key, num_samples, new_bucket, params)
         out = program(state, ids, mask, self.stop_ids, np.int32(max_new_tokens), key)
         return jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
 
-    def _program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
+    def program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
+        """The compiled program of a bucket (compiled on first use). The arrays only give shapes and shardings:
+        `jax.ShapeDtypeStruct`s compile without weights (`corl_jax.compile_check`)."""
         bucket = dict(prompts=ids.shape[0], samples=num_samples, prompt_width=ids.shape[1], new_tokens=new_bucket,
                       kv_block=self.buckets.kv_block, params=params, attention=self.attention)
         cache_key = (graphdef, str(key.dtype), key.shape, tuple(bucket.items()))  # typed or raw uint32 keys
@@ -193,7 +198,7 @@ class Sampler:
             start = time.perf_counter()
             static = dict(graphdef=graphdef, num_samples=num_samples, new_bucket=new_bucket,
                           kv_block=self.buckets.kv_block, params=params, pad_id=self.pad_id, mesh=self.mesh,
-                          rules=self.rules, attention=self.attention)
+                          rules=self.rules, attention=self.attention, platform=self.platform)
             jitted = jax.jit(_generate, static_argnames=tuple(static))
             program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, **static).compile(
                 compiler_options=self.compiler_options or None)
@@ -205,7 +210,7 @@ class Sampler:
 
 
 def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphdef, num_samples, new_bucket, kv_block,
-              params: SamplingParams, pad_id, mesh, rules, attention) -> Completions:
+              params: SamplingParams, pad_id, mesh, rules, attention, platform) -> Completions:
     """The whole generation program (see the module docstring)."""
     model = nnx.merge(graphdef, state)
     weights = model.decode_weights()
@@ -220,7 +225,7 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphde
     first, first_logprob = sample_tokens(logits, jax.random.fold_in(key, 0), params)
     # Position of each row's first new token: one past its last prompt token.
     start_positions = jnp.repeat(positions[:, -1] + 1, num_samples)
-    cache_attention = _pallas_attention(cache, mesh, rules) if attention == "pallas" else None
+    cache_attention = _pallas_attention(cache, mesh, rules, platform) if attention == "pallas" else None
 
     carry = _Carry(
         cache=cache,
@@ -260,18 +265,21 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphde
                        truncated=~carry.done)
 
 
-def _pallas_attention(cache: KVCache, mesh: Mesh | None, rules):
-    """`decode_attention` as the decoder's `cache_attention`; on a mesh it runs per shard (`shard_map` over the
-    batch and kv-head shards of the cache: every shard attends its own rows and heads)."""
+def _pallas_attention(cache: KVCache, mesh: Mesh | None, rules, platform: str):
+    """`decode_attention` for `platform` as the decoder's `cache_attention`; on a mesh it runs per shard
+    (`shard_map` over the batch and kv-head shards of the cache: every shard attends its own rows and heads)."""
+    # TPU: 128-slot blocks (fewer grid steps) where the cache length allows; GPU: the Triton kernel's 64
+    block_k = 128 if platform == "tpu" and cache.max_len % 128 == 0 else 64
+    kernel = functools.partial(decode_attention, block_k=block_k, backend=platform)
     if mesh is None:
-        return decode_attention
+        return kernel
     cache_spec = logical_to_spec(KVCache.logical_axes().k, cache.k.shape, mesh, rules)
     batch, heads = cache_spec[1], cache_spec[2]
     rows = jax.sharding.PartitionSpec(batch)
     q_spec = jax.sharding.PartitionSpec(batch, heads, None)  # q heads split like the kv heads (groups stay whole)
 
     def attend(q, k_cache, v_cache, layer, start, end):
-        per_shard = lambda *args: decode_attention(*args[:3], layer, *args[3:])  # noqa: E731
+        per_shard = lambda *args: kernel(*args[:3], layer, *args[3:])  # noqa: E731
         return jax.shard_map(per_shard, mesh=mesh, in_specs=(q_spec, cache_spec, cache_spec, rows, rows),
                              out_specs=q_spec, check_vma=False)(q, k_cache, v_cache, start, end)
 

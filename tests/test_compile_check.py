@@ -1,0 +1,83 @@
+"""corl_jax.compile_check: deviceless compilation for a TPU slice (libtpu) and its one-line errors."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from config_files import load_config
+from corl_jax import compile_check
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None or os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", ""))
+# a Qwen3-shaped model with the paper families' head_dim 128 (so the TPU decode kernel is in the sampler)
+QWEN3_128 = dict(model_type="qwen3", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=128, tie_word_embeddings=True)
+
+
+# Not in the `test` extra: with libtpu installed, every CPU run of JAX would probe for a TPU and print errors.
+NO_LIBTPU = ("needs libtpu: pip install --target DIR 'libtpu==0.0.42.*' and set TPU_LIBRARY_PATH=DIR/libtpu/libtpu.so "
+             "(.ci/run does)")
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason=NO_LIBTPU)
+def test_compiles_sampler_and_update_for_a_tpu_slice_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_128))  # no weights: only the shapes are read
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "corl_jax.compile_check", "--config=configs/ttrl.py:tiny", "--topology=v5e-4",
+           f"--config.agents.qwen25.model_path={tmp_path}", "--config.mesh.data=-1", "--placement=shared",
+           "--prompt_len=64", f"--json={out}"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    [report] = json.loads(out.read_text())
+    assert "v5e-4 (4 x TPU v5 lite, 16 GiB HBM per chip), shared placement, prompt 64 + 16 new" in run.stdout
+    assert report["platform"] == "tpu" and report["estimate"] == "TPU (libtpu)"
+    agent = report["agents"]["qwen25"]
+    assert agent["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    assert agent["decode_attention"] == "pallas"  # the Mosaic kernel lowered for TPU inside the sampler
+    # data parallel: every chip holds all fp32 parameters and AdamW's two moments (+ scalar counts)
+    n = sum(_param_counts(QWEN3_128))
+    assert 12 * n <= agent["resident"] < 12 * n + 1024
+    update = agent["programs"]["update"]  # donated parameters and optimiser state come back in place
+    assert update["alias"] >= 12 * n and update["argument"] >= agent["resident"]
+    assert agent["peak_per_chip"] >= agent["resident"] and agent["fits"]
+
+
+def _param_counts(hf):
+    V, D, F, L = hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    H, K, hd = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    yield V * D + D  # tied embedding, final norm
+    yield L * (2 * D + D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F + 2 * hd)  # norms, attention, MLP, q/k norm
+
+
+@pytest.mark.parametrize("topology, placement, mesh, message", [
+    ("v5e-7", "shared", {}, "unknown topology 'v5e-7'; use one of v5e-4, v5e-8"),
+    ("cpu", "partitioned", {}, "splits 8 chips among 3 agents: needs a multiple of the agent count"),
+    ("cpu", "shared", {"fsdp": 3}, r"mesh data=-1 fsdp=3 tensor=1 does not fit the 8 chips.*Fix: --config.mesh"),
+])
+def test_bad_slices_and_meshes_are_one_line_errors(topology, placement, mesh, message):
+    config = load_config("ring3")
+    config.mesh.update(data=-1, **mesh)
+    with pytest.raises(ValueError, match=message) as error:
+        compile_check.agent_meshes(config, compile_check.topology_devices(topology)[0], placement)
+    assert "\n" not in str(error.value)
+
+
+def test_the_paper_models_have_the_shapes_of_their_checkpoints():
+    """Parameter counts of the built-in shapes against the published sizes (embedding included)."""
+    from corl_jax.models import ModelConfig
+
+    published = {"Qwen/Qwen2.5-1.5B": 1.54e9, "Qwen/Qwen2.5-3B": 3.09e9, "Qwen/Qwen3-1.7B-Base": 1.72e9,
+                 "meta-llama/Llama-3.2-1B-Instruct": 1.24e9, "meta-llama/Llama-3.2-3B-Instruct": 3.21e9}
+    for path, size in published.items():
+        c = ModelConfig.from_hf_dict(compile_check.PAPER_MODELS[path])
+        hd, D, L = c.head_dim, c.hidden_size, c.num_layers
+        n = (c.vocab_size * D * (1 if c.tie_word_embeddings else 2) + L * (
+            D * (c.num_heads + 2 * c.num_kv_heads) * hd + c.num_heads * hd * D + 3 * D * c.intermediate_size))
+        assert abs(n - size) / size < 0.01, (path, n)
+
