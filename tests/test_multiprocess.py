@@ -159,6 +159,8 @@ def test_run_files_and_data_go_through_epath(monkeypatch):
     from fsspec.implementations.memory import MemoryFileSystem
 
     from corl_jax import data
+    from corl_jax import workdir as run_dir
+    from corl_jax.config import base_config
     from corl_jax.metrics import RunLog, write_json
 
     class FakeGCS(MemoryFileSystem):
@@ -194,6 +196,14 @@ def test_run_files_and_data_go_through_epath(monkeypatch):
         assert json.loads((run / "summary.json").read_text()) == {"steps": 1}
         assert Board.logdirs == ["gs://bucket/run/tensorboard"] * 2
         assert data.load_rows("gs://bucket/run/train.jsonl") == [{"prompt": "1+1?", "answer": "2"}]
+        config = base_config()  # the run directory's checks and config history, on gs:// too
+        fresh = run / "fresh"
+        assert run_dir.prepare(config, fresh) == {}
+        for start in (0, 1):
+            run_dir.record_config(config, fresh, start, {})
+        assert [json.loads(line)["start_step"] for line in (fresh / "config_history.jsonl").read_text().splitlines()
+                ] == [0, 1]
+        assert run_dir.prepare(config, fresh) == {}  # resumed: the saved config.json is compared (same)
         assert not (REPO / "gs:").exists()
     finally:
         FakeGCS.store.clear()
