@@ -51,6 +51,8 @@ class UpdateSettings:
     num_micro: int
     chunk_size: int
     temperature: float
+    group_size: int = 2                # the reference's per-device micro-batch: bnpo's groups, metric means
+    max_completion_length: int = 0     # dr_grpo's divisor (the reference: max_completion_length); 0: padded width
 
 
 @dataclasses.dataclass
@@ -70,6 +72,7 @@ class Agent:
     sampler: Sampler
     key: jax.Array                  # base PRNG key: seed + agent index; each step folds in the step number
     ref_params: Any = None          # frozen initial weights, only when beta > 0
+    tokens_seen: int = 0            # prompt + completion tokens trained on so far (TRL's num_input_tokens_seen)
 
     @property
     def mesh(self):
@@ -152,12 +155,18 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
                                b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
     return Agent(
         name=name, index=index, policy=policy, graphdef=graphdef, params=params,
-        opt_state=jax.jit(optimizer.init)(params), optimizer=optimizer,
+        opt_state=_committed(jax.jit(optimizer.init)(params)), optimizer=optimizer,
         schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
         text_field=spec.text_field, chat_template=spec.chat_template or None,
         sampler=Sampler.from_policy(policy, stop_ids=stop_ids, attention=config.rollout.decode_attention),
         key=jax.random.key(config.seed + index),
         ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None)
+
+
+def _committed(tree):
+    """`tree` with every array committed to its device(s): `update` returns committed arrays, and an uncommitted
+    input (optax's fresh step count) would make the second step compile `update` again."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
 
 
 def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
@@ -218,20 +227,26 @@ def score_completions(graphdef, params, tokens, attention, prompt_len: int, s: U
 def update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings):
     """One optimiser step on a batch of completions with exact gradient accumulation over micro-batches.
 
+    The loss and gradient are the reference's for micro-batches of `s.group_size` rows, whatever `s.num_micro`
+    (which only trades memory for speed). Optional batch keys: `old_logp` (PPO ratio's denominator; absent:
+    c == 1), `is_ratio` (sampler importance weights), `ref_logp` (KL, beta > 0).
     A non-finite loss or gradient leaves parameters and optimiser state unchanged (`metrics["skipped"]` = 1)."""
     prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
     num_items = jnp.sum(batch["completion_mask"])
 
-    def loss_fn(p, micro, valid_rows):
+    def loss_fn(p, micro):
         logp, entropy, _ = _completion_logprobs(graphdef, p, micro["tokens"], micro["attention"], prompt_len, s)
         return grpo.grpo_loss(
             logp, micro.get("old_logp"), micro["advantages"], micro["completion_mask"], loss_type=s.loss_type,
             eps_low=s.eps_low, eps_high=s.eps_high, beta=s.beta, ref_logp=micro.get("ref_logp"),
-            max_completion_length=micro["completion_mask"].shape[1], num_items_in_batch=num_items,
-            num_micro_batches=s.num_micro, valid_rows=valid_rows, entropy=entropy)
+            is_ratio=micro.get("is_ratio"),
+            max_completion_length=s.max_completion_length or micro["completion_mask"].shape[1],
+            num_items_in_batch=num_items, total_rows=batch["tokens"].shape[0], group_size=s.group_size,
+            entropy=entropy)
 
-    (loss, metrics), grads = grpo.accumulate_grads(jax.value_and_grad(loss_fn, has_aux=True), params, batch,
-                                                   s.num_micro)
+    (loss, rows), grads = grpo.accumulate_grads(jax.value_and_grad(loss_fn, has_aux=True), params, batch,
+                                                s.num_micro)
+    metrics = grpo.loss_metrics(rows, s.group_size)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -266,7 +281,9 @@ class Cohort:
         batch = r.prompts_per_step * r.num_generations
         self.settings = UpdateSettings(loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,
                                        num_micro=batch // g.micro_batch_size, chunk_size=g.logprob_chunk_size,
-                                       temperature=r.temperature if r.temperature > 0 else 1.0)
+                                       temperature=r.temperature if r.temperature > 0 else 1.0,
+                                       group_size=g.reference_micro_batch_size,
+                                       max_completion_length=r.max_new_tokens)
 
     def sample(self, agent: Agent, texts: list[str], key: jax.Array, *, num_samples: int, max_new_tokens: int,
                temperature: float) -> Rollouts:
@@ -334,7 +351,8 @@ class Cohort:
             loss_mask = loss_mask & ~c.truncated[:, None]
         return {"tokens": jnp.concatenate([prompt_ids, c.tokens], axis=1),
                 "attention": jnp.concatenate([prompt_mask, c.mask], axis=1),
-                "completion_mask": loss_mask.astype(jnp.float32)}
+                "completion_mask": loss_mask.astype(jnp.float32),
+                "sampling_logp": c.logprobs}
 
     def _intrinsic_rewards(self, batches: list[dict[str, jax.Array]]) -> np.ndarray:
         """RENT (−mean entropy) or Intuitor (mean KL(U‖p)) per completion, from a no-grad forward (§4.3)."""
@@ -352,30 +370,57 @@ class Cohort:
     def _update(self, agent: Agent, rollouts: Rollouts, batch: dict[str, jax.Array], rewards: np.ndarray,
                 step: int) -> dict[str, Any]:
         """Advantages, then `num_iterations` optimiser steps of one agent on its rollouts (rows shuffled into
-        micro-batches as the reference does)."""
+        micro-batches as the reference does), with the reference's metrics (§5.4)."""
         g, r = self.config.grpo, self.config.rollout
         rewards = jnp.asarray(rewards, jnp.float32)  # host-side values (the same on every process): local device
-        batch["advantages"] = agent.put(np.asarray(
-            grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards)))
+        batch = dict(batch, advantages=agent.put(np.asarray(
+            grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards))))
         order = np.asarray(jax.random.permutation(agent.step_key(step, 1), rewards.shape[0]))
         batch = jax.tree.map(lambda x: x[order], batch)
+        sampling_logp = batch.pop("sampling_logp")
         prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
-        if g.num_iterations > 1:
+        correction = {}
+        if g.num_iterations > 1 or g.importance_sampling_correction:  # TRL computes old log-probs in both cases
             batch["old_logp"] = score_completions(agent.graphdef, agent.params, batch["tokens"], batch["attention"],
                                                   prompt_len, self.settings)[0]
+        if g.importance_sampling_correction:
+            batch["is_ratio"], correction = grpo.sampling_correction(
+                batch["old_logp"], sampling_logp, batch["completion_mask"], g.importance_sampling_cap)
         if agent.ref_params is not None:
             batch["ref_logp"] = score_completions(agent.graphdef, agent.ref_params, batch["tokens"],
                                                   batch["attention"], prompt_len, self.settings)[0]
-        layout = jax.tree.map(lambda x: x.sharding, agent.params)
+        shardings = jax.tree.map(lambda x: x.sharding, (agent.params, agent.opt_state))
         for _ in range(g.num_iterations):
-            agent.params, agent.opt_state, metrics = update(agent.graphdef, agent.optimizer, agent.params,
-                                                            agent.opt_state, batch, self.settings)
-        agent.params = jax.device_put(agent.params, layout)  # XLA may re-lay out small leaves; the sampler's
-        # compiled programs (and a restore target) expect the loaded layout
-        metrics, lengths, truncated = multihost.to_host(
-            (metrics, rollouts.completions.lengths, rollouts.completions.truncated))
+            params, opt_state, metrics = update(agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch,
+                                                self.settings)
+            # back on the input's (equivalent) shardings, so that every step reuses one compiled `update` (and the
+            # sampler's programs and a restore target find the loaded layout)
+            agent.params, agent.opt_state = jax.device_put((params, opt_state), shardings)
+        c = rollouts.completions
+        metrics, correction, lengths, truncated = multihost.to_host((metrics, correction, c.lengths, c.truncated))
+        terminated = lengths[~truncated] if (~truncated).any() else np.zeros(1, lengths.dtype)
+        agent.tokens_seen += int(rollouts.prompt_mask.sum()) * r.num_generations + int(lengths.sum())
         first_update = (step - 1) * g.num_iterations
-        return {**grpo.reward_metrics(rewards, r.num_generations), **metrics,
-                "learning_rate": agent.schedule(first_update),
+        return {**grpo.reward_metrics(rewards, r.num_generations, _REWARD_NAMES.get(self.config.method,
+                                                                                    "reward_correctness")),
+                **self._intrinsic_metrics(rewards), **metrics, **correction,
+                "learning_rate": agent.schedule(first_update), "num_tokens": agent.tokens_seen,
                 "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-                "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean()}
+                "completions/max_length": lengths.max(), "completions/mean_terminated_length": terminated.mean(),
+                "completions/min_terminated_length": terminated.min(),
+                "completions/max_terminated_length": terminated.max(),
+                "completions/clipped_ratio": truncated.mean()}
+
+    def _intrinsic_metrics(self, rewards: jax.Array) -> dict[str, jax.Array]:
+        """RENT / Intuitor's own logs of the mean reward (§5.3): the same number under the reference's names."""
+        mean = jnp.mean(rewards)
+        if self.config.method == "rent":
+            return {"intrinsic/entropy/avg": mean, "entropy/avg_reward": mean, "entropy/avg_H": -mean}
+        if self.config.method == "intuitor":
+            return {"intrinsic/self_certainty/avg": mean, "self_certainty/avg_reward": mean,
+                    "self_certainty/avg_kl_u_p": mean}
+        return {}
+
+
+# The reference's reward-function names (TRL logs rewards/<function name>/mean|std).
+_REWARD_NAMES = {"rent": "reward_entropy", "intuitor": "reward_self_certainty"}

@@ -86,7 +86,12 @@ def base_config() -> ml_collections.ConfigDict:
             "eps_high": 0.2,
             "beta": 0.0,
             "num_iterations": 1,
-            "micro_batch_size": 2,      # sequences per forward/backward (the reference: 2 per device)
+            "micro_batch_size": 2,      # sequences per forward/backward: memory/speed only, results do not depend on it
+            # the reference's per-device micro-batch (2): bnpo's token-mean groups and the per-micro-batch metric means
+            "reference_micro_batch_size": 2,
+            # TRL's vLLM correction: loss * min(exp(trainer logp - sampler logp), cap) per token
+            "importance_sampling_correction": True,
+            "importance_sampling_cap": 3.0,
             "mask_truncated_completions": False,
             "logprob_chunk_size": 128,  # positions per chunk of the log-prob pass (peak ≈ micro_batch·chunk·V fp32)
             "remat": "full",            # rematerialisation policy: none / full / dots / dots_no_batch
@@ -231,9 +236,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.optim.learning_rate <= 0:
         fail("optim.learning_rate", f"{config.optim.learning_rate} is not positive", "set e.g. 1e-6 (the reference)")
     batch = r.prompts_per_step * r.num_generations
-    if batch % g.micro_batch_size:
-        fail("grpo.micro_batch_size", f"{g.micro_batch_size} does not divide the {batch} completions of a step",
-                  "pick a divisor of prompts_per_step * num_generations")
+    if g.reference_micro_batch_size < 1 or batch % g.reference_micro_batch_size:
+        fail("grpo.reference_micro_batch_size", f"{g.reference_micro_batch_size} does not divide the {batch} "
+             "completions of a step", "keep 2 (the reference) or pick a divisor of prompts_per_step * num_generations")
+    if batch % g.micro_batch_size or g.micro_batch_size % g.reference_micro_batch_size:
+        fail("grpo.micro_batch_size", f"{g.micro_batch_size} must divide the {batch} completions of a step and be a "
+             f"multiple of grpo.reference_micro_batch_size={g.reference_micro_batch_size}",
+             "pick such a size (e.g. 2, 4, 8, ...)")
+    if g.importance_sampling_cap < 1.0:
+        fail("grpo.importance_sampling_cap", f"{g.importance_sampling_cap} < 1 would down-weight every token",
+             "use 3.0 (the reference) or set grpo.importance_sampling_correction=False")
     if config.placement not in PLACEMENTS:
         fail("placement", f"unknown {config.placement!r}", f"use one of {PLACEMENTS}")
     if config.train.eval_samples_per_prompt < 1:
@@ -275,6 +287,7 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collect
         agent.compute_dtype = "float32"
     config.data.train_path, config.data.eval_path = variant_sources(variant)
     config.mesh.data = 1
+    config.grpo.reference_micro_batch_size = 2  # the variants' own small batches (the reference's usual 2 rows)
     config.grpo.remat = "none"  # tiny models: memory is no concern, and recomputing the forward costs CPU time
     if variant == "tiny":
         config.rollout.update(prompts_per_step=2, num_generations=4, max_new_tokens=16, max_prompt_len=384)

@@ -9,7 +9,7 @@ reference's TRL fork (co_rl_reference.md §1.10, §4.3, §5.4); all functions ar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -82,31 +82,34 @@ def token_logprobs(
     return outs if with_stats else outs[0]
 
 
-# ----------------------------------------------------------------------------- masks
+# ----------------------------------------------------------------------------- sampler correction
 
 
-def completion_mask(
-    completion_ids: jax.Array, eos_ids: Sequence[int], *, mask_truncated: bool = False
-) -> tuple[jax.Array, jax.Array]:
-    """Mask of completion tokens up to and including the first EOS, and which rows are truncated.
+def sampling_correction(
+    old_logp: jax.Array, sampling_logp: jax.Array, mask: jax.Array, cap: float = 3.0
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """TRL's ``token_truncate`` importance weight of the sampler's tokens under the trainer's forward.
 
-    A row with no EOS is truncated (hit the length limit); with ``mask_truncated`` (TRL's
-    ``mask_truncated_completions``, off in the reference) its whole mask is zeroed.
-    Returns (int32 mask [B, T], bool is_truncated [B]).
+    rho = min(exp((old_logp - sampling_logp) * mask), cap) per token (1 on masked positions), a constant
+    (no gradient). ``old_logp`` is the trainer's no-grad log-prob of the sampled token, ``sampling_logp``
+    the sampler's (the reference: vLLM's processed log-probs). Also returns TRL's metrics over the masked
+    tokens: sampling/sampling_logp_difference/{mean,max} (|old - sampler|) and
+    sampling/importance_sampling_ratio/{min,mean,max} (0 when no token is masked in).
     """
-    is_eos = jnp.isin(completion_ids, jnp.asarray(list(eos_ids), dtype=completion_ids.dtype))
-    eos_seen_before = jnp.cumsum(is_eos, axis=1) - is_eos  # EOS tokens strictly before t
-    mask = eos_seen_before == 0
-    is_truncated = ~jnp.any(is_eos, axis=1)
-    if mask_truncated:
-        mask = mask & ~is_truncated[:, None]
-    return mask.astype(jnp.int32), is_truncated
-
-
-def truncated_is_ratio(old_logp: jax.Array, sampling_logp: jax.Array, mask: jax.Array, cap: float = 3.0):
-    """Per-token importance weight min(exp(old - sampler), cap) (TRL ``token_truncate``), no grad."""
-    diff = (old_logp - sampling_logp) * mask.astype(jnp.float32)
-    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(diff), jnp.float32(cap)))
+    live = mask.astype(bool)
+    diff = jnp.where(live, old_logp - sampling_logp, 0.0).astype(jnp.float32)
+    ratio = jax.lax.stop_gradient(jnp.minimum(jnp.exp(diff), jnp.float32(cap)))
+    count = jnp.maximum(jnp.sum(live), 1)
+    any_live = jnp.any(live)
+    gap = jnp.abs(diff)
+    metrics = {
+        "sampling/sampling_logp_difference/mean": jnp.sum(gap) / count,
+        "sampling/sampling_logp_difference/max": jnp.max(gap),
+        "sampling/importance_sampling_ratio/min": jnp.where(any_live, jnp.min(jnp.where(live, ratio, jnp.inf)), 0.0),
+        "sampling/importance_sampling_ratio/mean": jnp.sum(jnp.where(live, ratio, 0.0)) / count,
+        "sampling/importance_sampling_ratio/max": jnp.where(any_live, jnp.max(jnp.where(live, ratio, -jnp.inf)), 0.0),
+    }
+    return ratio, jax.lax.stop_gradient(metrics)
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -150,14 +153,18 @@ def group_advantages(
     return centred.reshape(rewards.shape)
 
 
-def reward_metrics(rewards: jax.Array, num_generations: int) -> dict[str, jax.Array]:
-    """TRL's reward, reward_std (unbiased, whole batch) and frac_reward_zero_std (per group)."""
+def reward_metrics(rewards: jax.Array, num_generations: int, name: str = "reward_correctness") -> dict[str, jax.Array]:
+    """TRL's reward, reward_std (unbiased, whole batch), frac_reward_zero_std (per group) and the per-function
+    rewards/<name>/mean|std (the reference has one reward function, so they repeat reward / reward_std)."""
     grouped = _grouped(rewards, num_generations)
     group_std = _unbiased_std(grouped, axis=1)
+    mean, std = jnp.mean(grouped), _unbiased_std(grouped)
     return {
-        "reward": jnp.mean(grouped),
-        "reward_std": _unbiased_std(grouped),
+        "reward": mean,
+        "reward_std": std,
         "frac_reward_zero_std": jnp.mean((jnp.abs(group_std) <= 1e-8).astype(jnp.float32)),
+        f"rewards/{name}/mean": mean,
+        f"rewards/{name}/std": std,
     }
 
 
@@ -182,22 +189,6 @@ def intrinsic_rewards(
 # ----------------------------------------------------------------------------- loss
 
 
-def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def _bnpo(per_token, mask, rows, group_size):
-    """Mean over normalisation groups (of ``group_size`` rows) of each group's token mean."""
-    batch = per_token.shape[0]
-    group_size = batch if group_size is None else group_size
-    if batch % group_size:
-        raise ValueError(f"bnpo_group_size={group_size} must divide the micro-batch size {batch}")
-    tokens = jnp.sum(per_token * mask, axis=1).reshape(-1, group_size).sum(axis=1)
-    counts = jnp.sum(mask, axis=1).reshape(-1, group_size).sum(axis=1)
-    live = jnp.any(rows.reshape(-1, group_size), axis=1).astype(jnp.float32)
-    return jnp.sum(live * tokens / jnp.maximum(counts, 1.0)) / jnp.maximum(jnp.sum(live), 1.0)
-
-
 def grpo_loss(
     logp: jax.Array,
     old_logp: jax.Array | None,
@@ -212,29 +203,29 @@ def grpo_loss(
     is_ratio: jax.Array | None = None,
     max_completion_length: int | None = None,
     num_items_in_batch: jax.Array | int | None = None,
-    num_micro_batches: int = 1,
-    valid_rows: jax.Array | None = None,
-    bnpo_group_size: int | None = None,
+    total_rows: int | None = None,
+    group_size: int | None = None,
     entropy: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped GRPO surrogate of one micro-batch, aggregated exactly as TRL does.
+    """Clipped GRPO surrogate of one micro-batch of B rows, as the reference's TRL aggregates it.
 
     Per token: l = -min(c A, clip(c, 1 - eps_low, 1 + eps_high) A) * is_ratio + beta * k3 with
-    c = exp(logp - old_logp) (old_logp=None: stop_gradient(logp), i.e. num_iterations = 1) and
-    k3 = exp(ref - logp) - (ref - logp) - 1. Aggregation over masked tokens m:
-      grpo:    mean over rows of sum_t m l / max(1, sum_t m), / num_micro_batches
-      bnpo:    sum m l / max(1, sum m), / num_micro_batches (the reference); with
-               ``bnpo_group_size`` s, the mean of that over consecutive groups of s rows
-               (reproduces the reference's per-device micro-batches inside a bigger one)
-      dr_grpo: sum m l / (rows * max_completion_length), / num_micro_batches
+    c = exp(logp - old_logp) (old_logp=None: stop_gradient(logp), i.e. c == 1) and
+    k3 = exp(ref - logp) - (ref - logp) - 1. With N = ``total_rows`` (rows of the whole accumulated
+    batch; default B) and masked tokens m, the micro-batch's share of the step loss is
+      grpo:    sum over rows of (sum_t m l / max(1, sum_t m)), / N
+      bnpo:    sum over groups of ``group_size`` consecutive rows (default B) of
+               (sum m l / max(1, sum m)), / (N / group_size)
+      dr_grpo: sum m l / (N * max_completion_length)
       dapo:    sum m l / num_items_in_batch (mask tokens of the whole accumulated batch)
-    ``num_micro_batches`` is TRL's gradient-accumulation divisor; summing the micro-batch losses
-    (see ``accumulate_grads``) gives the reference's step loss. ``valid_rows`` [B] bool marks
-    padding rows (False) that count nowhere, not even in the row counts of grpo / dr_grpo.
+    i.e. TRL's loss of a micro-batch of ``group_size`` rows divided by its accumulation steps
+    N / group_size; summed over micro-batches (``accumulate_grads``) it is the reference's step loss
+    whatever size the micro-batches have, as long as they hold whole groups.
 
-    Returns (float32 loss, metrics): clip_ratio/{low_mean, high_mean, region_mean} (TRL
-    definitions: ratio below 1 - eps_low with A < 0, above 1 + eps_high with A > 0, either),
-    ``kl`` when beta != 0 and ``entropy`` when per-token entropies are given (masked means).
+    Returns (float32 loss, row sums): per row [B], the masked token sums ``tokens`` (sum m),
+    ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region`` (TRL: c below 1 - eps_low with
+    A < 0, above 1 + eps_high with A > 0, either), ``kl`` (beta != 0) and ``entropy`` (when given);
+    ``loss_metrics`` turns them into TRL's metrics.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {loss_type!r}")
@@ -248,88 +239,103 @@ def grpo_loss(
         raise ValueError(
             f"need logp, mask [B, T] and advantages [B]; got {logp.shape}, {mask.shape}, {advantages.shape}"
         )
+    batch = logp.shape[0]
+    total_rows = batch if total_rows is None else total_rows
+    group_size = batch if group_size is None else group_size
+    if batch % group_size or total_rows % group_size:
+        raise ValueError(f"group_size={group_size} must divide the micro-batch ({batch} rows) and the "
+                         f"accumulated batch ({total_rows} rows)")
 
-    rows = jnp.ones(logp.shape[:1], bool) if valid_rows is None else valid_rows.astype(bool)
-    mask = mask.astype(jnp.float32) * rows[:, None]
+    mask = mask.astype(jnp.float32)
     old_logp = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
     ratio = jnp.exp(logp - old_logp)
     adv = advantages.astype(jnp.float32)[:, None]
     per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
     if is_ratio is not None:
         per_token = per_token * is_ratio
-    metrics = {}
+    low = ((ratio < 1.0 - eps_low) & (adv < 0)).astype(jnp.float32)
+    high = ((ratio > 1.0 + eps_high) & (adv > 0)).astype(jnp.float32)
+    per_row = lambda x: jnp.sum(x * mask, axis=1)
+    rows = {"tokens": jnp.sum(mask, axis=1), "clip_ratio/low": per_row(low), "clip_ratio/high": per_row(high),
+            "clip_ratio/region": per_row(jnp.maximum(low, high))}
     if beta != 0.0:
         log_ref_ratio = ref_logp - logp
         kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
         per_token = per_token + beta * kl
-        metrics["kl"] = _masked_mean(kl, mask)
-
-    num_rows = jnp.maximum(jnp.sum(rows.astype(jnp.float32)), 1.0)
-    if loss_type == "grpo":
-        per_row = jnp.sum(per_token * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-        loss = jnp.sum(per_row) / num_rows / num_micro_batches
-    elif loss_type == "bnpo":
-        loss = _bnpo(per_token, mask, rows, bnpo_group_size) / num_micro_batches
-    elif loss_type == "dr_grpo":
-        loss = jnp.sum(per_token * mask) / (num_rows * max_completion_length) / num_micro_batches
-    else:  # dapo
-        loss = jnp.sum(per_token * mask) / jnp.maximum(jnp.asarray(num_items_in_batch, jnp.float32), 1.0)
-
-    low = ((ratio < 1.0 - eps_low) & (adv < 0)).astype(jnp.float32)
-    high = ((ratio > 1.0 + eps_high) & (adv > 0)).astype(jnp.float32)
-    metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
-    metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
-    metrics["clip_ratio/region_mean"] = _masked_mean(jnp.maximum(low, high), mask)
+        rows["kl"] = per_row(kl)
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(jax.lax.stop_gradient(entropy), mask)
-    return loss.astype(jnp.float32), jax.lax.stop_gradient(metrics)
+        rows["entropy"] = per_row(entropy)
+
+    token_sums = per_row(per_token)
+    if loss_type == "grpo":
+        loss = jnp.sum(token_sums / jnp.maximum(rows["tokens"], 1.0)) / total_rows
+    elif loss_type == "bnpo":
+        groups = lambda x: x.reshape(-1, group_size).sum(axis=1)
+        loss = jnp.sum(groups(token_sums) / jnp.maximum(groups(rows["tokens"]), 1.0)) / (total_rows // group_size)
+    elif loss_type == "dr_grpo":
+        loss = jnp.sum(token_sums) / (total_rows * max_completion_length)
+    else:  # dapo
+        loss = jnp.sum(token_sums) / jnp.maximum(jnp.asarray(num_items_in_batch, jnp.float32), 1.0)
+    return loss.astype(jnp.float32), jax.lax.stop_gradient(rows)
+
+
+def loss_metrics(rows: dict[str, jax.Array], group_size: int) -> dict[str, jax.Array]:
+    """TRL's loss metrics from ``grpo_loss``'s row sums [N] of a whole step.
+
+    TRL takes masked token means per micro-batch (``group_size`` rows each), then the mean over micro-batches
+    (and ranks); ``clip_ratio/low_min`` / ``clip_ratio/high_max`` are its min / max across ranks, here across
+    the step's micro-batches. Micro-batches without tokens are skipped (TRL's nanmean); 0 if all are empty.
+    """
+    groups = {k: v.reshape(-1, group_size).sum(axis=1) for k, v in rows.items()}
+    tokens = groups.pop("tokens")
+    live = tokens > 0
+    means = {k: v / jnp.maximum(tokens, 1.0) for k, v in groups.items()}
+    any_live = jnp.any(live)
+    mean = lambda x: jnp.sum(jnp.where(live, x, 0.0)) / jnp.maximum(jnp.sum(live), 1)
+    out = {
+        "clip_ratio/low_mean": mean(means["clip_ratio/low"]),
+        "clip_ratio/low_min": jnp.where(any_live, jnp.min(jnp.where(live, means["clip_ratio/low"], jnp.inf)), 0.0),
+        "clip_ratio/high_mean": mean(means["clip_ratio/high"]),
+        "clip_ratio/high_max": jnp.where(any_live, jnp.max(jnp.where(live, means["clip_ratio/high"], -jnp.inf)),
+                                         0.0),
+        "clip_ratio/region_mean": mean(means["clip_ratio/region"]),
+    }
+    out.update({k: mean(means[k]) for k in ("kl", "entropy") if k in means})
+    return out
 
 
 # ----------------------------------------------------------------------------- accumulation
 
 
 def accumulate_grads(
-    loss_and_grad_fn: Callable[[Any, Any, jax.Array], tuple[tuple[jax.Array, dict], Any]],
+    loss_and_grad_fn: Callable[[Any, Any], tuple[tuple[jax.Array, Any], Any]],
     params: Any,
     batch: Any,
     num_micro: int,
-) -> tuple[tuple[jax.Array, dict], Any]:
-    """Sum losses and gradients over ``num_micro`` micro-batches with one ``lax.scan``.
+) -> tuple[tuple[jax.Array, Any], Any]:
+    """Sum losses and gradients over ``num_micro`` equal micro-batches with one ``lax.scan``.
 
-    ``batch`` is a pytree of arrays sharing a leading row axis B. It is cut into ``num_micro``
-    consecutive micro-batches of ceil(B / num_micro) rows; the last one is padded with zero
-    rows when B does not divide. ``loss_and_grad_fn(params, micro_batch, valid_rows)`` returns
-    ``((loss, metrics), grads)`` (the output of ``jax.value_and_grad(..., has_aux=True)``);
-    ``valid_rows`` [rows] bool is False on padding, to be passed to ``grpo_loss``, whose
-    ``num_micro_batches=num_micro`` (and, for dapo, ``num_items_in_batch`` = mask sum of the
-    whole batch) makes the summed result the reference's accumulated step.
-    Returns ((summed loss, metrics averaged over micro-batches), summed grads in params' dtypes).
+    ``batch`` is a pytree of arrays sharing a leading row axis B, cut into ``num_micro`` consecutive
+    micro-batches of B / num_micro rows. ``loss_and_grad_fn(params, micro_batch)`` returns
+    ``((loss, row_aux), grads)`` (``jax.value_and_grad(..., has_aux=True)`` of ``grpo_loss``-style losses,
+    whose ``total_rows`` / ``num_items_in_batch`` refer to the whole batch, so the sum is the step loss).
+    Returns ((summed loss, row_aux of all B rows in batch order), summed grads in params' dtypes).
     """
     leaves = jax.tree.leaves(batch)
     num_rows = leaves[0].shape[0]
     if any(x.shape[:1] != (num_rows,) for x in leaves):
         raise ValueError(f"all batch arrays need the same leading row axis; got {[x.shape for x in leaves]}")
-    micro_size = -(-num_rows // max(num_micro, 1))
-    if num_micro < 1 or (num_micro - 1) * micro_size >= num_rows:
-        raise ValueError(
-            f"num_micro={num_micro} does not split {num_rows} rows into non-empty micro-batches of "
-            f"{micro_size}; choose num_micro <= {num_rows} with (num_micro - 1) * ceil(B / num_micro) < B"
-        )
-    padded = num_micro * micro_size
+    if num_micro < 1 or num_rows % num_micro:
+        raise ValueError(f"num_micro={num_micro} does not split {num_rows} rows into equal micro-batches; "
+                         f"choose a divisor of {num_rows}")
+    micro_batches = jax.tree.map(lambda x: x.reshape(num_micro, num_rows // num_micro, *x.shape[1:]), batch)
 
-    def split(x):
-        x = jnp.pad(x, [(0, padded - num_rows)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(num_micro, micro_size, *x.shape[1:])
-
-    micro_batches = jax.tree.map(split, batch)
-    valid = (jnp.arange(padded) < num_rows).reshape(num_micro, micro_size)
-
-    def step(carry, xs):
+    def step(carry, micro):
         grad_sum, loss_sum = carry
-        (loss, metrics), grads = loss_and_grad_fn(params, *xs)
+        (loss, aux), grads = loss_and_grad_fn(params, micro)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
-        return (grad_sum, loss_sum + loss.astype(jnp.float32)), metrics
+        return (grad_sum, loss_sum + loss.astype(jnp.float32)), aux
 
     init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
-    (grads, loss), metrics = jax.lax.scan(step, init, (micro_batches, valid))
-    return (loss, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)), grads
+    (grads, loss), aux = jax.lax.scan(step, init, micro_batches)
+    return (loss, jax.tree.map(lambda a: a.reshape(num_rows, *a.shape[2:]), aux)), grads

@@ -181,7 +181,8 @@ def _snapshot(cohort: Cohort, stream: PromptStream, step: int, history: EvalHist
     state = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
     return Snapshot(step=step, state=state, data_state=stream.get_state(),
                     rng={a.name: a.key for a in cohort.agents},
-                    metadata={"eval_history": history.to_json(), "nonfinite": nonfinite, "faults": faults},
+                    metadata={"eval_history": history.to_json(), "nonfinite": nonfinite, "faults": faults,
+                              "tokens_seen": {a.name: a.tokens_seen for a in cohort.agents}},
                     metric=accuracies)  # per agent: the checkpointer keeps every agent's best step
 
 
@@ -194,6 +195,7 @@ def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, f
         agent.params = snap.state[agent.name]["params"]
         agent.opt_state = snap.state[agent.name]["opt_state"]
         agent.key = snap.rng[agent.name]
+        agent.tokens_seen = snap.metadata.get("tokens_seen", {}).get(agent.name, 0)
     stream.set_state(snap.data_state)
     history = EvalHistory.from_json(snap.metadata.get("eval_history", {}))
     faults = [f"checkpoint step {bad} was damaged ({why}); moved to {checkpointer.rejected_directory}, resumed from "

@@ -168,14 +168,15 @@ def test_grpo_loss_values_metrics_and_gradients_match_trl(loss_type, shift, beta
 
     def ours(h, w):
         logp = grpo.token_logprobs(h, w, jnp.asarray(targets), chunk_size=4)
-        return grpo.grpo_loss(
+        return grpo.grpo_loss(  # this micro-batch is one of 3 accumulated ones
             logp, None if old is None else jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
-            loss_type=loss_type, beta=beta, ref_logp=jnp.asarray(ref), num_micro_batches=3,
+            loss_type=loss_type, beta=beta, ref_logp=jnp.asarray(ref), total_rows=3 * B, group_size=B,
             is_ratio=None if is_ratio is None else jnp.asarray(is_ratio), **kwargs,
         )
 
-    (loss, metrics), (g_h, g_w) = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(
+    (loss, rows), (g_h, g_w) = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(
         jnp.asarray(hidden), jnp.asarray(unembed))
+    metrics = grpo.loss_metrics(rows, B)
     th, tw = _t(hidden, True), _t(unembed, True)
     t_loss, t_metrics = torch_trl_loss(
         torch_logps(th, tw, torch.tensor(targets))[0], None if old is None else _t(old), _t(adv), _t(mask),
@@ -185,6 +186,8 @@ def test_grpo_loss_values_metrics_and_gradients_match_trl(loss_type, shift, beta
     _close(loss, t_loss.item())
     _close(g_h, th.grad.numpy(), rtol=1e-4, atol=1e-6)
     _close(g_w, tw.grad.numpy(), rtol=1e-4, atol=1e-6)
+    t_metrics["clip_ratio/low_min"] = t_metrics["clip_ratio/low_mean"]  # one micro-batch (one rank)
+    t_metrics["clip_ratio/high_max"] = t_metrics["clip_ratio/high_mean"]
     assert set(metrics) == set(t_metrics)
     for key, value in t_metrics.items():
         _close(metrics[key], value.item())
@@ -192,15 +195,25 @@ def test_grpo_loss_values_metrics_and_gradients_match_trl(loss_type, shift, beta
         assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
 
 
-def test_grpo_loss_bnpo_groups_equal_per_group_token_means():
+def test_grpo_loss_bnpo_groups_and_metrics_are_per_group():
+    """bnpo and the metrics treat each group of rows as TRL treats one micro-batch; min/max run across groups."""
     hidden, unembed, targets, mask, adv = _data(5)
     logp = grpo.token_logprobs(jnp.asarray(hidden), jnp.asarray(unembed), jnp.asarray(targets))
-    grouped, _ = grpo.grpo_loss(logp, None, jnp.asarray(adv), jnp.asarray(mask), bnpo_group_size=2)
-    halves = [grpo.grpo_loss(logp[i:i + 2], None, jnp.asarray(adv[i:i + 2]), jnp.asarray(mask[i:i + 2]))[0]
-              for i in (0, 2)]
-    _close(grouped, (halves[0] + halves[1]) / 2)
-    with pytest.raises(ValueError, match="bnpo_group_size=3"):
-        grpo.grpo_loss(logp, None, jnp.asarray(adv), jnp.asarray(mask), bnpo_group_size=3)
+    old = logp + jnp.asarray(np.random.default_rng(6).normal(size=logp.shape) * 0.6, jnp.float32)
+    grouped, rows = grpo.grpo_loss(logp, old, jnp.asarray(adv), jnp.asarray(mask), group_size=2,
+                                   entropy=-logp)
+    halves = [grpo.grpo_loss(logp[i:i + 2], old[i:i + 2], jnp.asarray(adv[i:i + 2]), jnp.asarray(mask[i:i + 2]),
+                             entropy=-logp[i:i + 2]) for i in (0, 2)]
+    _close(grouped, (halves[0][0] + halves[1][0]) / 2)
+    per_half = [grpo.loss_metrics(h[1], 2) for h in halves]
+    metrics = grpo.loss_metrics(rows, 2)
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy"):
+        _close(metrics[key], (per_half[0][key] + per_half[1][key]) / 2)
+    _close(metrics["clip_ratio/low_min"], min(h["clip_ratio/low_mean"] for h in per_half))
+    _close(metrics["clip_ratio/high_max"], max(h["clip_ratio/high_mean"] for h in per_half))
+    assert per_half[0]["clip_ratio/high_mean"] != per_half[1]["clip_ratio/high_mean"]  # min/max are informative
+    with pytest.raises(ValueError, match="group_size=3 must divide"):
+        grpo.grpo_loss(logp, None, jnp.asarray(adv), jnp.asarray(mask), group_size=3)
 
 
 def test_grpo_loss_rejects_bad_configuration():
@@ -271,17 +284,27 @@ def test_intrinsic_rewards_match_naive_full_vocab():
         grpo.intrinsic_rewards(entropy, mean_logp, jnp.asarray(mask), V, kind="confidence")
 
 
-def test_completion_mask_and_truncated_is_ratio():
-    ids = jnp.array([[5, 2, 7, 2], [5, 5, 5, 5], [9, 9, 3, 1]])
-    mask, truncated = grpo.completion_mask(ids, eos_ids=[2, 3])
-    np.testing.assert_array_equal(mask, [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
-    np.testing.assert_array_equal(truncated, [False, True, False])
-    masked, _ = grpo.completion_mask(ids, eos_ids=[2, 3], mask_truncated=True)
-    np.testing.assert_array_equal(masked, [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]])
-    old, sampled = jnp.array([[0.0, -1.0, 2.0]]), jnp.array([[-0.5, -1.0, 0.0]])
-    ratio = grpo.truncated_is_ratio(old, sampled, jnp.array([[1, 1, 0]]), cap=3.0)
-    _close(ratio, [[math.exp(0.5), 1.0, 1.0]])
-    _close(grpo.truncated_is_ratio(old, sampled, jnp.ones((1, 3))), [[math.exp(0.5), 1.0, 3.0]])
+def test_sampling_correction_matches_trl():
+    rng = np.random.default_rng(12)
+    old = rng.normal(size=(3, 5)) - 2.0
+    sampled = old + rng.normal(size=(3, 5)) * 0.8
+    sampled[0, 0] = old[0, 0] - 3.0  # exp(3) > cap
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], np.float32)
+    ratio, metrics = grpo.sampling_correction(jnp.asarray(old, jnp.float32), jnp.asarray(sampled, jnp.float32),
+                                              jnp.asarray(mask), cap=3.0)
+    t_old, t_sampled, t_mask = _t(old), _t(sampled), _t(mask).bool()  # TRL token_truncate, transcribed
+    t_ratio = torch.clamp(torch.exp((t_old - t_sampled) * t_mask), max=3.0)
+    _close(ratio, t_ratio.numpy(), rtol=1e-5, atol=1e-6)
+    delta = torch.abs(t_old - t_sampled)[t_mask]
+    flat = t_ratio[t_mask]
+    expected = {"sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max":
+                delta.max(), "sampling/importance_sampling_ratio/min": flat.min(),
+                "sampling/importance_sampling_ratio/mean": flat.mean(), "sampling/importance_sampling_ratio/max":
+                flat.max()}
+    assert set(metrics) == set(expected)
+    for key, value in expected.items():
+        _close(metrics[key], value.item(), rtol=1e-5, atol=1e-6)
+    assert float(metrics["sampling/importance_sampling_ratio/max"]) == 3.0  # the cap bites
 
 
 # ----------------------------------------------------------------------------- accumulation
@@ -296,74 +319,50 @@ def _toy_model_batch(seed, batch):
     return params, {k: jnp.asarray(v) for k, v in data.items()}
 
 
-def _jax_loss_fn(loss_type, num_micro, num_items, **kw):
-    def loss_fn(params, mb, valid_rows):
+def _jax_loss_fn(loss_type, num_items, group_size, total_rows):
+    def loss_fn(params, mb):
         logp = grpo.token_logprobs(mb["x"] @ params["proj"], params["unembed"], mb["targets"], chunk_size=4)
-        return grpo.grpo_loss(logp, mb["old"], mb["adv"], mb["mask"], loss_type=loss_type, valid_rows=valid_rows,
-                              num_micro_batches=num_micro, num_items_in_batch=num_items,
-                              max_completion_length=T, **kw)
+        return grpo.grpo_loss(logp, mb["old"], mb["adv"], mb["mask"], loss_type=loss_type, total_rows=total_rows,
+                              group_size=group_size, num_items_in_batch=num_items, max_completion_length=T)
     return jax.value_and_grad(loss_fn, has_aux=True)
 
 
-def _torch_accumulated(params, batch, loss_type, bounds, num_items):
-    """TRL: one backward per micro-batch (rows bounds[k]:bounds[k+1]), loss / GA, grads summed."""
+def _torch_accumulated(params, batch, loss_type, micro, num_items):
+    """TRL: one backward per micro-batch of `micro` rows, loss / GA, grads summed."""
     tp = {k: _t(v, True) for k, v in params.items()}
+    rows = len(batch["x"])
     total = 0.0
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        mb = {k: np.asarray(v)[lo:hi] for k, v in batch.items()}
+    for lo in range(0, rows, micro):
+        mb = {k: np.asarray(v)[lo:lo + micro] for k, v in batch.items()}
         logp = torch_logps(_t(mb["x"]) @ tp["proj"], tp["unembed"], torch.tensor(mb["targets"]))[0]
         loss, _ = torch_trl_loss(logp, _t(mb["old"]), _t(mb["adv"]), _t(mb["mask"]), loss_type,
-                                 max_completion_length=T, num_items_in_batch=num_items, ga=len(bounds) - 1)
+                                 max_completion_length=T, num_items_in_batch=num_items, ga=rows // micro)
         loss.backward()
         total += loss.item()
     return total, {k: v.grad.numpy() for k, v in tp.items()}
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
-@pytest.mark.parametrize("rows,num_micro", [(8, 4), (7, 3)])  # 7 rows in 3 -> 3, 3, 1 + 2 padding rows
-def test_accumulate_grads_matches_reference_per_micro_batch(loss_type, rows, num_micro):
-    params, batch = _toy_model_batch(7, rows)
+def test_accumulate_grads_matches_trl_for_any_micro_batch_size(loss_type):
+    """TRL with 2-row micro-batches (the reference) == ours accumulating 4x2, 2x4 or 1x8 rows in groups of 2."""
+    params, batch = _toy_model_batch(7, 8)
     num_items = jnp.sum(batch["mask"])
-    micro = -(-rows // num_micro)
-    bounds = [min(k * micro, rows) for k in range(num_micro + 1)]
-    (loss, metrics), grads = jax.jit(
-        lambda p, b: grpo.accumulate_grads(_jax_loss_fn(loss_type, num_micro, num_items), p, b, num_micro)
-    )(params, batch)
-    ref_loss, ref_grads = _torch_accumulated(params, batch, loss_type, bounds, float(num_items))
-    _close(loss, ref_loss)
-    for key in params:
-        _close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-6)
-        assert grads[key].dtype == jnp.float32
-    assert set(metrics) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    ref_loss, ref_grads = _torch_accumulated(params, batch, loss_type, 2, float(num_items))
+    for num_micro in (4, 2, 1):
+        (loss, rows), grads = jax.jit(lambda p, b: grpo.accumulate_grads(
+            _jax_loss_fn(loss_type, num_items, 2, 8), p, b, num_micro))(params, batch)
+        _close(loss, ref_loss)
+        for key in params:
+            _close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-6)
+            assert grads[key].dtype == jnp.float32
+        np.testing.assert_array_equal(rows["tokens"], np.asarray(batch["mask"]).sum(1))  # batch order
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_accumulate_grads_equals_one_big_batch(loss_type):
-    params, batch = _toy_model_batch(8, 8)
-    num_items = jnp.sum(batch["mask"])
-    (loss, _), grads = grpo.accumulate_grads(_jax_loss_fn(loss_type, 4, num_items), params, batch, 4)
-    (big_loss, _), big_grads = _jax_loss_fn(loss_type, 1, num_items)(params, batch, jnp.ones(8, bool))
-    _close(loss, big_loss)
-    for key in params:
-        _close(grads[key], big_grads[key], rtol=1e-5, atol=1e-7)
-
-
-def test_accumulate_grads_bnpo_groups_reproduce_small_micro_batches():
-    """4 micro-batches of 2 rows == 2 micro-batches of 4 rows normalised in groups of 2."""
-    params, batch = _toy_model_batch(9, 8)
-    (small, _), g_small = grpo.accumulate_grads(_jax_loss_fn("bnpo", 4, None), params, batch, 4)
-    (grouped, _), g_grouped = grpo.accumulate_grads(
-        _jax_loss_fn("bnpo", 2, None, bnpo_group_size=2), params, batch, 2)
-    _close(grouped, small)
-    for key in params:
-        _close(g_grouped[key], g_small[key], rtol=1e-5, atol=1e-7)
-
-
-def test_accumulate_grads_rejects_empty_micro_batches():
-    params, batch = _toy_model_batch(7, 5)
-    fn = _jax_loss_fn("bnpo", 4, None)
-    with pytest.raises(ValueError, match="num_micro=4 does not split 5 rows"):
-        grpo.accumulate_grads(fn, params, batch, 4)  # 2, 2, 1, 0
+def test_accumulate_grads_rejects_unequal_micro_batches():
+    params, batch = _toy_model_batch(7, 6)
+    fn = _jax_loss_fn("bnpo", None, 2, 6)
+    with pytest.raises(ValueError, match="num_micro=4 does not split 6 rows"):
+        grpo.accumulate_grads(fn, params, batch, 4)
     with pytest.raises(ValueError, match="num_micro=0"):
         grpo.accumulate_grads(fn, params, batch, 0)
 
