@@ -155,7 +155,7 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
                                b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
     return Agent(
         name=name, index=index, policy=policy, graphdef=graphdef, params=params,
-        opt_state=_committed(jax.jit(optimizer.init)(params)), optimizer=optimizer,
+        opt_state=_committed(jax.jit(optimizer.init)(params), policy.mesh), optimizer=optimizer,
         schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
         text_field=spec.text_field, chat_template=spec.chat_template or None,
         sampler=Sampler.from_policy(policy, stop_ids=stop_ids, attention=config.rollout.decode_attention),
@@ -163,10 +163,15 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
         ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None)
 
 
-def _committed(tree):
+def _committed(tree, mesh):
     """`tree` with every array committed to its device(s): `update` returns committed arrays, and an uncommitted
-    input (optax's fresh step count) would make the second step compile `update` again."""
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
+    input (optax's fresh step count) would make the second step compile `update` again. A leaf off `mesh` (that
+    count lands on one device) is replicated over it, as `update` returns it (and may span several processes)."""
+    if mesh is None:
+        return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
+    devices, everywhere = set(mesh.devices.flat), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if x.sharding.device_set == devices
+                        else jax.device_put(np.asarray(x), everywhere), tree)
 
 
 def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
