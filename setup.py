@@ -7,6 +7,7 @@ INSTALL_REQUIRES = [
     "flax>=0.12.8,<0.13",
     "optax>=0.2.5,<0.3",
     "orbax-checkpoint>=0.11,<0.13",
+    "etils[epath]>=1.7",
     "grain>=0.2.10,<0.3",
     "ml-collections>=1.0,<2",
     "tensorflow-datasets>=4.9.8,<5",
@@ -48,8 +49,10 @@ EXTRAS = {
     # plots of the evidence scripts under experiments/
     "experiments": ["matplotlib>=3.8"],
     "gpu": ["jax[cuda13]>=0.10.2,<0.13"],
-    # Cloud TPU VMs (tpu_scripts/launch.sh installs it on every worker); also `corl_jax.compile_check` on any host
-    "tpu": ["jax[tpu]>=0.10.2,<0.13"],
+    # Cloud TPU VMs (tpu_scripts/launch.sh installs it on every worker); also `corl_jax.compile_check` on any host.
+    # gs:// workdirs and data: etils.epath reads/writes through gcsfs, tensorboardX through google-cloud-storage
+    # (Orbax checkpoints use tensorstore's own GCS driver).
+    "tpu": ["jax[tpu]>=0.10.2,<0.13", "gcsfs>=2024.2", "google-cloud-storage>=2.14"],
 }
 
 setup(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +27,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+
+from corl_jax import multihost
 
 _policies = ocp.checkpoint_managers
 
@@ -59,13 +60,18 @@ class Checkpointer:
 
     Keeps the `keep_last` most recent steps and, with `keep_best`, for every metric key the step with its greatest
     value (the earliest of equal ones, as the reference's BestKeeper takes only a strictly better value).
+    Orbax is multi-process aware: on several processes every process must construct, save and restore (each
+    writes its own shards; process 0 the metadata and the moves of rejected steps). `workdir` may be any
+    `etils.epath` location (gs://...).
     """
 
-    def __init__(self, workdir: str, keep_last: int = 2, keep_best: bool = True, async_save: bool = True):
+    def __init__(self, workdir: str | epath.Path, keep_last: int = 2, keep_best: bool = True,
+                 async_save: bool = True):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: keep at least the latest checkpoint (1 or more)")
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-        self.rejected_directory = os.path.join(os.path.abspath(workdir), "rejected_checkpoints")
+        root = epath.Path(workdir).absolute() if "://" not in str(workdir) else epath.Path(workdir)
+        self.directory = root / "checkpoints"
+        self.rejected_directory = root / "rejected_checkpoints"
         self.rejected: dict[int, str] = {}  # step -> why, of the steps a fallback restore moved aside
         policies = [_policies.LatestN(n=keep_last)]
         if keep_best:
@@ -129,11 +135,11 @@ class Checkpointer:
         dtype, sharding) like `target`'s jax.ShapeDtypeStruct leaves; the rest (optimiser state, other agents) is
         never read."""
         with ocp.PyTreeCheckpointer() as reader:
-            return reader.restore(os.path.join(self.step_dir(step), "state"), args=ocp.args.PyTreeRestore(
+            return reader.restore(epath.Path(self.step_dir(step)) / "state", args=ocp.args.PyTreeRestore(
                 item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return str(self.directory / str(step))
 
     def restore(self, step: int | None = None, *, state_target: Any = None,
                 fallback_to_previous: bool = False) -> Snapshot:
@@ -170,9 +176,11 @@ class Checkpointer:
 
     def _set_aside(self, step: int, why: str) -> None:
         """Move a damaged step out of the managed directory (never delete it), so the run can redo that step."""
-        os.makedirs(self.rejected_directory, exist_ok=True)
-        target = os.path.join(self.rejected_directory, f"{step}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
-        os.rename(self.step_dir(step), target)
+        target = self.rejected_directory / f"{step}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+        if multihost.is_main():  # every process found the step damaged (the fingerprints are global); one moves it
+            self.rejected_directory.mkdir(parents=True, exist_ok=True)
+            epath.Path(self.step_dir(step)).rename(target)
+        multihost.barrier("checkpoint_set_aside")
         self._manager.reload()
         self.rejected[step] = why
         logging.warning("checkpoint %s is damaged (%s): moved to %s, an older step is restored", self.step_dir(step),

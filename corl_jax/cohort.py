@@ -25,7 +25,7 @@ import optax
 from absl import logging
 from flax import nnx
 
-from corl_jax import grpo
+from corl_jax import grpo, multihost
 from corl_jax.config import ConfigError, topology_of
 from corl_jax.data import DataError, Problem, PromptBlock
 from corl_jax.models import Policy, from_pretrained, positions_from_mask
@@ -155,7 +155,7 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
                                b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
     return Agent(
         name=name, index=index, policy=policy, graphdef=graphdef, params=params,
-        opt_state=_committed(jax.jit(optimizer.init)(params)), optimizer=optimizer,
+        opt_state=_committed(jax.jit(optimizer.init)(params), policy.mesh), optimizer=optimizer,
         schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
         text_field=spec.text_field, chat_template=spec.chat_template or None,
         sampler=Sampler.from_policy(policy, stop_ids=stop_ids, attention=config.rollout.decode_attention),
@@ -163,21 +163,30 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
         ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None)
 
 
-def _committed(tree):
+def _committed(tree, mesh):
     """`tree` with every array committed to its device(s): `update` returns committed arrays, and an uncommitted
-    input (optax's fresh step count) would make the second step compile `update` again."""
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
+    input (optax's fresh step count) would make the second step compile `update` again. A leaf off `mesh` (that
+    count lands on one device) is replicated over it, as `update` returns it (and may span several processes)."""
+    if mesh is None:
+        return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
+    devices, everywhere = set(mesh.devices.flat), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if x.sharding.device_set == devices
+                        else jax.device_put(np.asarray(x), everywhere), tree)
 
 
 def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
     """One mesh per agent: the whole device set (shared) or disjoint equal slices of it (partitioned)."""
     devices = jax.devices()
     if config.placement == "partitioned":
-        if len(devices) < num_agents or len(devices) % num_agents:
-            raise ValueError(f"placement='partitioned' splits {len(devices)} devices among {num_agents} agents: "
-                             "needs a multiple of the agent count. Fix: use placement='shared' or more devices")
-        size = len(devices) // num_agents
-        groups = [devices[i * size:(i + 1) * size] for i in range(num_agents)]
+        # Each agent takes an equal share of every process's devices, so every agent spans every process (host
+        # reads gather through collectives, which need devices of each process). One process: contiguous slices.
+        local = [[d for d in devices if d.process_index == p] for p in range(jax.process_count())]
+        if len(local[0]) < num_agents or len(local[0]) % num_agents:
+            raise ValueError(f"placement='partitioned' splits the {len(local[0])} devices of each of "
+                             f"{len(local)} process(es) among {num_agents} agents: needs a multiple of the agent "
+                             "count per process. Fix: use placement='shared' or more devices")
+        size = len(local[0]) // num_agents
+        groups = [[d for ds in local for d in ds[i * size:(i + 1) * size]] for i in range(num_agents)]
     else:
         groups = [devices] * num_agents
     m = config.mesh
@@ -187,8 +196,9 @@ def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
         if data * m.fsdp * m.tensor > len(group):
             raise ValueError(f"mesh data={data} fsdp={m.fsdp} tensor={m.tensor} needs more than the "
                              f"{len(group)} devices of an agent. Fix: config.mesh.* or placement")
-        meshes.append(make_mesh(data=data, fsdp=m.fsdp, tensor=m.tensor,
-                                devices=group[:data * m.fsdp * m.tensor]))
+        used = group[:data * m.fsdp * m.tensor]
+        multihost.check_spans_processes(used, f"mesh data={data} fsdp={m.fsdp} tensor={m.tensor}")
+        meshes.append(make_mesh(data=data, fsdp=m.fsdp, tensor=m.tensor, devices=used))
     return meshes
 
 
@@ -293,9 +303,9 @@ class Cohort:
         return Rollouts(ids, mask, out)
 
     def finish(self, agent: Agent, rollouts: Rollouts) -> Rollouts:
-        """Fetch the completions and decode their texts (host)."""
-        c = rollouts.completions
-        rollouts.texts = decode_completions(agent.policy.tokenizer, np.asarray(c.tokens), np.asarray(c.mask))
+        """Fetch the completions (gathered from every process) and decode their texts (host)."""
+        tokens, mask = multihost.to_host((rollouts.completions.tokens, rollouts.completions.mask))
+        rollouts.texts = decode_completions(agent.policy.tokenizer, tokens, mask)
         return rollouts
 
     def step(self, block: PromptBlock, step: int) -> tuple[dict[str, dict[str, float]], list[dict]]:
@@ -313,13 +323,17 @@ class Cohort:
             t0 = time.perf_counter()
             rewards, label_metrics = self._intrinsic_rewards(batches), {a.name: {} for a in self.agents}
             timings["time/rewards"] = time.perf_counter() - t0
-        else:
+        elif multihost.is_main():  # grading is time-bounded: one process grades, every process gets its rewards
             result = self.task.score(
                 [ro.texts for ro in rollouts], block.problems, topology=self.topology,
                 threshold=self.config.self_consistency_threshold, step=step,
                 agent_names=[a.name for a in self.agents])
-            rewards, label_metrics, records = result.rewards, result.metrics, result.records
+            rewards, label_metrics, records = multihost.broadcast(result.rewards), result.metrics, result.records
             timings.update(result.timings)
+        else:
+            shape = (len(self.agents), len(block.problems), r.num_generations)
+            rewards = multihost.broadcast(np.zeros(shape, np.float32))
+            label_metrics = {a.name: {} for a in self.agents}
 
         t0 = time.perf_counter()
         pending = [self._update(a, ro, b, rewards[a.index].reshape(-1), step)
@@ -356,16 +370,17 @@ class Cohort:
             out.append(grpo.intrinsic_rewards(entropy, mean_logp, b["completion_mask"],
                                               agent.policy.config.vocab_size, kind))
         g = self.config.rollout.num_generations
-        return np.stack([np.asarray(x).reshape(-1, g) for x in out])
+        return np.stack([x.reshape(-1, g) for x in multihost.to_host(out)])
 
     def _update(self, agent: Agent, rollouts: Rollouts, batch: dict[str, jax.Array], rewards: np.ndarray,
                 step: int) -> dict[str, Any]:
         """Advantages, then `num_iterations` optimiser steps of one agent on its rollouts (rows shuffled into
         micro-batches as the reference does), with the reference's metrics (§5.4)."""
         g, r = self.config.grpo, self.config.rollout
-        rewards = jnp.asarray(rewards, jnp.float32)
-        batch = dict(batch, advantages=grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards))
-        order = jax.random.permutation(agent.step_key(step, 1), rewards.shape[0])
+        rewards = jnp.asarray(rewards, jnp.float32)  # host-side values (the same on every process): local device
+        batch = dict(batch, advantages=agent.put(np.asarray(
+            grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards))))
+        order = np.asarray(jax.random.permutation(agent.step_key(step, 1), rewards.shape[0]))
         batch = jax.tree.map(lambda x: x[order], batch)
         sampling_logp = batch.pop("sampling_logp")
         prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
@@ -383,10 +398,11 @@ class Cohort:
         for _ in range(g.num_iterations):
             params, opt_state, metrics = update(agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch,
                                                 self.settings)
-            # back on the input's (equivalent) shardings, so that every step reuses one compiled `update`
+            # back on the input's (equivalent) shardings, so that every step reuses one compiled `update` (and the
+            # sampler's programs and a restore target find the loaded layout)
             agent.params, agent.opt_state = jax.device_put((params, opt_state), shardings)
         c = rollouts.completions
-        lengths, truncated = np.asarray(c.lengths), np.asarray(c.truncated)
+        metrics, correction, lengths, truncated = multihost.to_host((metrics, correction, c.lengths, c.truncated))
         terminated = lengths[~truncated] if (~truncated).any() else np.zeros(1, lengths.dtype)
         agent.tokens_seen += int(rollouts.prompt_mask.sum()) * r.num_generations + int(lengths.sum())
         first_update = (step - 1) * g.num_iterations

@@ -30,6 +30,7 @@ from typing import Any
 import grain
 import numpy as np
 from absl import logging
+from etils import epath
 
 QUESTION_FIELDS = ("prompt", "problem", "question")
 ANSWER_FIELDS = ("answer", "Answer", "solution", "reward_model.ground_truth")
@@ -105,7 +106,7 @@ def load_rows(spec: str) -> list[Mapping[str, Any]]:
         return _read_hf(*_name_and_split(rest))
     if scheme == "tfds" and rest:
         return _read_tfds(*_name_and_split(rest))
-    if not os.path.exists(spec):
+    if not epath.Path(spec).exists():  # local or any etils.epath location (gs://...)
         raise DataError(f"{spec}: no such file. Fix: point the path at a local .json/.jsonl/.parquet file, or use "
                         "'hf:<name>[:split]', 'tfds:<name>[:split]', 'math500', 'humaneval' or 'arithmetic[:split]'")
     if spec.endswith(".jsonl"):
@@ -114,7 +115,8 @@ def load_rows(spec: str) -> list[Mapping[str, Any]]:
         return _read_json_array(spec)
     if spec.endswith(".parquet"):
         import pyarrow.parquet as pq
-        return pq.read_table(spec).to_pylist()
+        with epath.Path(spec).open("rb") as f:
+            return pq.read_table(f).to_pylist()
     raise DataError(f"{spec}: unknown file type. Fix: use a .json (array of objects), .jsonl or .parquet file")
 
 
@@ -137,7 +139,7 @@ def _name_and_split(rest: str) -> tuple[str, str]:
 
 
 def _read_json_array(path: str) -> list[Mapping[str, Any]]:
-    with open(path, encoding="utf-8") as f:
+    with epath.Path(path).open(encoding="utf-8") as f:
         try:
             rows = json.load(f)
         except json.JSONDecodeError as e:
@@ -152,7 +154,7 @@ def _read_json_array(path: str) -> list[Mapping[str, Any]]:
 def _read_jsonl(path: str) -> list[Any]:
     """One JSON value per non-blank line; an unparsable line becomes a `_BadLine` so row numbering stays stable."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with epath.Path(path).open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue

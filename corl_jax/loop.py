@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
+from etils import epath
 from tqdm import tqdm
 
+from corl_jax import multihost
 from corl_jax.checkpointing import Checkpointer, Snapshot
 from corl_jax import workdir as run_dir
 from corl_jax.cohort import Cohort, check_prompt_lengths, load_agents
@@ -27,7 +29,7 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
     noise of a before/after comparison."""
     t = cohort.config.train
     k = t.eval_samples_per_prompt
-    accuracies = {}
+    counts = {}
     for agent in cohort.agents:
         correct = 0
         for start in range(0, len(problems), t.eval_batch_prompts):
@@ -37,10 +39,12 @@ def evaluate(cohort: Cohort, problems, step: int) -> dict[str, float]:
             rollouts = cohort.finish(agent, cohort.sample(agent, texts, key, num_samples=k,
                                                           max_new_tokens=t.eval_max_new_tokens,
                                                           temperature=t.eval_temperature))
-            correct += sum(cohort.task.eval_correct(  # prompt-major: row p*k + j
-                rollouts.texts, [chunk[i // k] for i in range(len(rollouts.texts))]))
-        accuracies[agent.name] = correct / (len(problems) * k)
-    return accuracies
+            if multihost.is_main():  # grading is time-bounded: process 0 grades, every process gets its count
+                correct += sum(cohort.task.eval_correct(  # prompt-major: row p*k + j
+                    rollouts.texts, [chunk[i // k] for i in range(len(rollouts.texts))]))
+        counts[agent.name] = correct
+    correct = multihost.broadcast(np.array(list(counts.values()), np.int32))
+    return {name: int(c) / (len(problems) * k) for name, c in zip(counts, correct)}
 
 
 class Interrupted(Exception):
@@ -83,7 +87,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
     Its "faults" list names what went wrong and was recovered from (a damaged checkpoint set aside), over the
     whole run; `corl_jax.train` then exits non-zero. Once `stop` has caught a signal, the step in progress is
     finished and saved, then Interrupted is raised."""
-    changes = run_dir.prepare(config, workdir)
+    workdir = epath.Path(workdir)
+    changes = _prepare_workdir(config, workdir)
     train_problems, eval_problems = load_train_and_eval(
         config.data, train_needs_answers=config.method == "gt_reward")
     total_steps = config.train.max_steps
@@ -101,8 +106,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
     if checkpointer.latest_step() is not None:
         start, history, nonfinite, faults = _restore(checkpointer, cohort, stream, config.train.fallback_to_previous)
         logging.info("resumed from step %d of %s", start, workdir)
-    run_dir.record_config(config, workdir, start, changes)
-    log = RunLog(workdir, resume_step=start)
+    main = multihost.is_main()  # one process writes the run's files and prints; all of them save checkpoints
+    if main:
+        run_dir.record_config(config, workdir, start, changes)
+    log = RunLog(workdir, resume_step=start, active=main)
 
     def maybe_eval(step: int) -> dict[str, float] | None:
         t = config.train
@@ -112,13 +119,13 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
         accuracies = evaluate(cohort, eval_problems, step)
         history.add(step, accuracies)
         log.scalars(step, {f"{name}/eval_reward": acc for name, acc in accuracies.items()})
-        tqdm.write(f"step {step}: eval accuracy " + ", ".join(f"{n} {a:.3f}" for n, a in accuracies.items()))
+        _print(f"step {step}: eval accuracy " + ", ".join(f"{n} {a:.3f}" for n, a in accuracies.items()))
         return accuracies
 
     if start == 0:
         maybe_eval(0)
     bar = tqdm(total=total_steps, initial=start, desc="co-rl" if config.method == "co_rl" else config.method,
-               dynamic_ncols=True)
+               dynamic_ncols=True, disable=not main)
     for step in range(start + 1, total_steps + 1):
         t0 = time.perf_counter()
         block = next(stream)
@@ -131,7 +138,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
         log.scalars(step, flat)
         if config.train.log_records:
             log.records(records)
-        stopping = stop is not None and stop.signum is not None
+        # Every process stops after the same step (a signal may reach them in different steps).
+        stopping = multihost.any_process(stop is not None and stop.signum is not None)
         accuracies = None if stopping else maybe_eval(step)
         # An agent's new best is saved even off the save_every schedule, so every best step has its weights.
         new_best = accuracies is not None and any(history.best_step(name) == step for name in accuracies)
@@ -142,17 +150,18 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
         if stopping:
             checkpointer.close()
             log.close()
-            raise Interrupted(stop.signum, step)
+            raise Interrupted(stop.signum or signal.SIGTERM, step)  # None: another process was signalled
     bar.close()
     checkpointer.wait()
     checkpointer.close()
     log.close()
     summary = {"agents": history.summary(), "steps": total_steps, "nonfinite_updates": nonfinite, "faults": faults}
-    write_json(os.path.join(workdir, "summary.json"), summary)
+    if main:
+        write_json(workdir / "summary.json", summary)
     for name, s in summary["agents"].items():
         best = "no step beat the base model (step 0)" if s["best_is_base"] else f"at step {s['best_step']}"
-        tqdm.write(f"{name}: eval accuracy {s['initial_accuracy']} -> {s['final_accuracy']} "
-                   f"(best {s['best_accuracy']} {best})")
+        _print(f"{name}: eval accuracy {s['initial_accuracy']} -> {s['final_accuracy']} "
+               f"(best {s['best_accuracy']} {best})")
     return summary
 
 
@@ -192,3 +201,22 @@ def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, f
     faults = [f"checkpoint step {bad} was damaged ({why}); moved to {checkpointer.rejected_directory}, resumed from "
               f"step {snap.step}" for bad, why in checkpointer.rejected.items()]
     return snap.step, history, dict(snap.metadata.get("nonfinite", {})), snap.metadata.get("faults", []) + faults
+
+
+def _prepare_workdir(config: ml_collections.ConfigDict, workdir: epath.Path) -> dict:
+    """`workdir.prepare` on process 0 (it may move an old run aside); the others go on (and look for checkpoints)
+    once it is done, and raise its WorkdirError too."""
+    changes, error = {}, None
+    if multihost.is_main():
+        try:
+            changes = run_dir.prepare(config, workdir)
+        except run_dir.WorkdirError as e:
+            error = e
+    if not multihost.broadcast(np.array(error is None, np.int32)):  # a collective: also the barrier
+        raise error or run_dir.WorkdirError(f"process 0 refused workdir {workdir} (its output says why)")
+    return changes
+
+
+def _print(line: str) -> None:
+    if multihost.is_main():
+        tqdm.write(line)

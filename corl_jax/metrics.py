@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any, Mapping
 
 import numpy as np
+from etils import epath
 
 
 def _plain(value: Any) -> Any:
@@ -28,22 +28,30 @@ class RunLog:
 
     Files are opened in append mode so that a resumed run continues them; lines of steps after the resume point
     (written by the killed process after its last checkpoint) are dropped on open, so every step appears once.
+    `workdir` may be any `etils.epath` location (gs://...). An inactive log (the processes other than 0 of a
+    multi-process run) writes nothing.
     """
 
-    def __init__(self, workdir: str, resume_step: int = 0):
-        os.makedirs(workdir, exist_ok=True)
+    def __init__(self, workdir: str | epath.Path, resume_step: int = 0, active: bool = True):
+        self.active = active
+        if not active:
+            return
+        workdir = epath.Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
-        self._metrics_path = os.path.join(workdir, "metrics.jsonl")
-        self._records_path = os.path.join(workdir, "records.jsonl")
+        self._metrics_path = workdir / "metrics.jsonl"
+        self._records_path = workdir / "records.jsonl"
         for path in (self._metrics_path, self._records_path):
             _truncate_after(path, resume_step)
-        self._metrics = open(self._metrics_path, "a")
-        self._records = open(self._records_path, "a")
+        self._metrics = self._metrics_path.open("a")
+        self._records = self._records_path.open("a")
         from tensorboardX import SummaryWriter  # heavy import, only for real runs
 
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._tb = SummaryWriter(str(workdir / "tensorboard"))
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        if not self.active:
+            return
         self._metrics.write(json.dumps({"step": step, **_plain(values)}) + "\n")
         self._metrics.flush()
         for key, value in values.items():
@@ -52,31 +60,36 @@ class RunLog:
         self._tb.flush()
 
     def records(self, rows: list[Mapping[str, Any]]) -> None:
+        if not self.active:
+            return
         for row in rows:
             self._records.write(json.dumps(_plain(row)) + "\n")
         self._records.flush()
 
     def close(self) -> None:
+        if not self.active:
+            return
         self._metrics.close()
         self._records.close()
         self._tb.close()
 
 
-def _truncate_after(path: str, step: int) -> None:
+def _truncate_after(path: epath.Path, step: int) -> None:
     """Keep only the lines of `path` whose `step` is at most `step` (all lines when the file is new)."""
-    if not os.path.exists(path):
+    if not path.exists():
         return
-    with open(path) as f:
+    with path.open() as f:
         kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    _replace(path, "".join(kept))
 
 
-def write_json(path: str, payload: Mapping[str, Any]) -> None:
+def write_json(path: str | epath.Path, payload: Mapping[str, Any]) -> None:
     """Write JSON atomically (temp file + rename)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_plain(payload), f, indent=2)
-    os.replace(tmp, path)
+    _replace(epath.Path(path), json.dumps(_plain(payload), indent=2))
+
+
+def _replace(path: epath.Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path` (atomic on local disks)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

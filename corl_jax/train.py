@@ -3,7 +3,9 @@
 Any config key can be overridden, e.g. `--config.rollout.num_generations=4`; an unknown key is an error that names
 it. A used workdir is resumed from its latest good checkpoint; `--config.train.restart=True` moves its old run aside
 and starts afresh (docs/faults.md: what is guaranteed, and the exit statuses).
-On several hosts, launch the same command on every host: `jax.distributed` is initialised from the environment.
+On several hosts, launch the same command on every host: `jax.distributed` is initialised from the environment
+(Cloud TPU VMs, SLURM, JAX_COORDINATOR_ADDRESS) or from --coordinator_address/--num_processes/--process_id
+(docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ def define_flags() -> None:
     """The trainer's command line (defined only when a command runs, so the CLI modules import side by side)."""
     config_flags.DEFINE_config_file("config", None, "Experiment config file, optionally with ':variant'.")
     flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard, summary.")
-    flags.DEFINE_bool("distributed", None,
-                      "Call jax.distributed.initialize() (default: when a multi-host environment is detected).")
+    flags.DEFINE_bool("distributed", None, "Call jax.distributed.initialize() (default: when a multi-host environment "
+                      "is detected or --coordinator_address is given).")
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (default: auto-detected).")
+    flags.DEFINE_integer("num_processes", None, "Number of processes (default: auto-detected).")
+    flags.DEFINE_integer("process_id", None, "This process's index (default: auto-detected).")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -49,10 +54,6 @@ def _exit_usage(message: str) -> None:
     sys.exit(2)
 
 
-def _multi_host_environment() -> bool:
-    return any(v in os.environ for v in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS"))
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -60,11 +61,13 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("both --config=configs/<name>.py[:variant] and --workdir=DIR are required")
     if not flags.FLAGS["verbosity"].present:  # keep the console to the progress bar; --verbosity=0 shows INFO logs
         logging.set_verbosity(logging.WARNING)
-    distributed = FLAGS.distributed if FLAGS.distributed is not None else _multi_host_environment()
-    if distributed:
-        import jax
+    from corl_jax import multihost
 
-        jax.distributed.initialize()
+    distributed = FLAGS.distributed
+    if distributed is None:
+        distributed = FLAGS.coordinator_address is not None or multihost.multi_host_environment()
+    if distributed:
+        multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     sys.exit(run(FLAGS.config, FLAGS.workdir))
 
 
@@ -73,6 +76,7 @@ def run(config, workdir: str) -> int:
     values); 2 a bad config, data source, model path, workdir or checkpoint (one line, before any step when it can);
     3 done, but after recovering from a fault (summary.json lists it); 130/143 stopped by SIGINT/SIGTERM after
     saving a checkpoint."""
+    from corl_jax import multihost
     from corl_jax.checkpointing import CheckpointError
     from corl_jax.config import ConfigError, validate
     from corl_jax.data import DataError
@@ -97,7 +101,8 @@ def run(config, workdir: str) -> int:
         print("interrupted: stopped at once; the last saved checkpoint stands", file=sys.stderr)
         return 130
     if summary["faults"]:
-        print("finished, but after recovering from: " + "; ".join(summary["faults"]), file=sys.stderr)
+        if multihost.is_main():
+            print("finished, but after recovering from: " + "; ".join(summary["faults"]), file=sys.stderr)
         return 3
     return 0
 

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import ml_collections
 from absl import logging
+from etils import epath
 
 from corl_jax.config import agent_config, base_config
 
@@ -40,23 +41,24 @@ class WorkdirError(ValueError):
     """A workdir that cannot hold this run; the message names it and the fix."""
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict[str, tuple[Any, Any]]:
-    """Make `workdir` ready for `config` (see the module docstring) before any model loads.
+def prepare(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> dict[str, tuple[Any, Any]]:
+    """Make `workdir` (any etils.epath location, gs://...) ready for `config` (see the module docstring) before any
+    model loads.
 
     Returns the config keys that changed since the run's last start, as {key: (old, new)} (empty for a new run).
     """
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
+    workdir = epath.Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
         raise WorkdirError(f"workdir {workdir} is a file, not a directory. Fix: pass a directory path as --workdir")
     try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
     except OSError as e:
         raise WorkdirError(f"workdir {workdir} cannot be created or written ({e.strerror}). Fix: pass a writable "
                            "--workdir") from e
-    used = sorted(name for name in os.listdir(workdir) if not name.startswith(_PREVIOUS))
+    used = sorted(p.name for p in workdir.iterdir() if not p.name.startswith(_PREVIOUS))
     if not used:
         return {}
     if config.train.restart:
@@ -66,12 +68,11 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict[str, tuple[
         raise WorkdirError(
             f"workdir {workdir} already holds a run ({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}) and "
             "train.resume=False would mix a new run into it. Fix: --config.train.restart=True moves the old run to "
-            f"{os.path.join(workdir, _PREVIOUS)}<time>/ and starts afresh; or use a new --workdir")
-    saved_path = os.path.join(workdir, "config.json")
-    if not os.path.exists(saved_path):
+            f"{workdir / _PREVIOUS}<time>/ and starts afresh; or use a new --workdir")
+    saved_path = workdir / "config.json"
+    if not saved_path.exists():
         return {}
-    with open(saved_path) as f:
-        saved = json.load(f)
+    saved = json.loads(saved_path.read_text())
     changes = config_changes(saved, json.loads(config.to_json_best_effort()))
     refused = {k: v for k, v in changes.items() if k not in SAFE_ON_RESUME}
     if refused:
@@ -86,18 +87,23 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict[str, tuple[
     return changes
 
 
-def record_config(config: ml_collections.ConfigDict, workdir: str, start_step: int,
+def record_config(config: ml_collections.ConfigDict, workdir: str | epath.Path, start_step: int,
                   changes: Mapping[str, tuple[Any, Any]]) -> None:
     """Write config.json (the current config) and append this start to config_history.jsonl."""
     text = config.to_json_best_effort(indent=2)
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "start_step": start_step,
              "changes": {k: list(v) for k, v in changes.items()}, "config": json.loads(text)}
-    with open(os.path.join(workdir, "config_history.jsonl"), "a") as f:
-        f.write(json.dumps(entry) + "\n")
-    tmp = os.path.join(workdir, "config.json.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(workdir, "config.json"))
+    workdir = epath.Path(workdir)
+    history = workdir / "config_history.jsonl"  # rewritten whole: gs:// objects cannot be appended to
+    _replace(history, (history.read_text() if history.exists() else "") + json.dumps(entry) + "\n")
+    _replace(workdir / "config.json", text)
+
+
+def _replace(path: epath.Path, text: str) -> None:
+    """Write `path` through a temporary file renamed over it, so a crash leaves the old or the new text."""
+    tmp = path.parent / (path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def config_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -139,11 +145,11 @@ def _describe(changes: Mapping[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
 
 
-def _move_aside(workdir: str, names: list[str]) -> None:
-    target = os.path.join(workdir, _PREVIOUS + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
-    while os.path.exists(target):  # two restarts within a second
-        target += "+"
-    os.makedirs(target)
+def _move_aside(workdir: epath.Path, names: list[str]) -> None:
+    target = workdir / (_PREVIOUS + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    while target.exists():  # two restarts within a second
+        target = target.parent / (target.name + "+")
+    target.mkdir(parents=True)
     for name in names:
-        os.rename(os.path.join(workdir, name), os.path.join(target, name))
+        (workdir / name).rename(target / name)
     logging.warning("train.restart: the previous run in %s was moved to %s", workdir, target)

@@ -1,0 +1,84 @@
+"""Several JAX processes (one per host of a pod, or several on one machine): start-up, host reads of global arrays,
+process-0-only outputs, and host-computed values that every process must share.
+
+Every process runs the same program (JAX's multi-controller model). Device work is identical by construction;
+host work that can differ between processes (answer grading is bounded in wall-clock time, so a slow host can
+time out where another did not) is done by process 0 only and broadcast, so every process applies the same update.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+_CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS")
+
+
+def multi_host_environment() -> bool:
+    """A launcher's environment (coordinator address, GKE TPU hosts, SLURM) or a Cloud TPU VM, where
+    `jax.distributed.initialize()` finds the slice's hosts itself (one process on a single-host slice)."""
+    if any(v in os.environ for v in _CLUSTER_ENV):
+        return True
+    try:
+        from jax._src import hardware_utils  # the check JAX itself uses before querying the TPU metadata server
+    except ImportError:
+        return False
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """`jax.distributed.initialize`: unset arguments are auto-detected (Cloud TPU, SLURM, ... or
+    JAX_COORDINATOR_ADDRESS)."""
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+
+
+def is_main() -> bool:
+    """Process 0 writes the run's files and prints; every process takes part in checkpoints and collectives."""
+    return jax.process_index() == 0
+
+
+def to_host(tree: Any) -> Any:
+    """The full value of every array of `tree` as numpy, on every process. Arrays spanning several processes are
+    gathered (a collective: every process must call this in the same order); local arrays are read directly."""
+
+    def read(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return multihost_utils.process_allgather(x, tiled=True)
+        return np.asarray(x)
+
+    return jax.tree.map(read, tree)
+
+
+def broadcast(tree: Any) -> Any:
+    """Process 0's value of `tree` (numpy arrays of equal shapes on every process) on every process."""
+    if jax.process_count() == 1:
+        return tree
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
+def check_spans_processes(devices, what: str) -> None:
+    """Host reads gather through collectives, so every agent's mesh must include devices of every process."""
+    missing = sorted(set(range(jax.process_count())) - {d.process_index for d in devices})
+    if missing:
+        raise ValueError(f"{what} uses no device of process(es) {missing}; with several processes every agent's "
+                         "mesh must span all of them. Fix: config.mesh.data=-1 (all devices) or a mesh that covers "
+                         "every host's devices")
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches this point (e.g. after process 0 changed files the others read next)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on some process (a collective: every process must call this in the same order)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
