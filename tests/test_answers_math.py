@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import corl_jax.answers.math as M
 from corl_jax.answers import _math_extract, _math_grade, _sympy_worker
+from corl_jax.data import MATH500_PATH
 
 # --- §7.4: extract_answer(text, "math") ------------------------------------------------------------------
 
@@ -505,7 +506,6 @@ def test_batch_grading_bad_input_names_the_problem(monkeypatch):
 
 # --- real input: MATH-500 gold answers ---------------------------------------------------------------------
 
-MATH500 = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math500_test.json"
 
 # Gold answers that do not survive boxing + extraction, because of faithful reference quirks (§7.1, §11.3):
 # the MathQA unit list deletes the unit words "pm" (so `\pm` loses its letters), "a" and "east".
@@ -519,9 +519,8 @@ KNOWN_QUIRK_FAILURES = {
 
 
 def _math500_rows():
-    if not MATH500.exists():
-        pytest.skip(f"MATH-500 file not found at {MATH500} (expected beside the repo in ../shared/data)")
-    return json.loads(MATH500.read_text())
+    """The bundled MATH-500 (byte-identical to the reference's copy: tests/test_data.py checks it)."""
+    return json.loads(pathlib.Path(MATH500_PATH).read_text())
 
 
 def _grade_boxed_golds(rows):
