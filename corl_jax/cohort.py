@@ -30,7 +30,7 @@ from corl_jax.config import ConfigError, topology_of
 from corl_jax.data import DataError, Problem, PromptBlock
 from corl_jax.models import Policy, from_pretrained, positions_from_mask
 from corl_jax.models.sharding import batch_sharding, make_mesh
-from corl_jax.optim import make_optimizer, make_schedule
+from corl_jax.optim import init_opt_state, make_optimizer, make_schedule
 from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Completions, Sampler
 from corl_jax.tasks import make_task
@@ -94,7 +94,7 @@ class Agent:
 
 def load_agents(config: ml_collections.ConfigDict, total_steps: int) -> list[Agent]:
     """Load every agent of `config` onto its devices (whole mesh or its own slice), with a fresh optimiser."""
-    meshes = _meshes(config, len(config.agents))
+    meshes = agent_meshes(config, jax.devices(), config.placement)
     agents = []
     paths = resolve_model_paths([spec.model_path for spec in config.agents.values()])
     for index, ((name, spec), path) in enumerate(zip(config.agents.items(), paths)):
@@ -155,7 +155,7 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
                                b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
     return Agent(
         name=name, index=index, policy=policy, graphdef=graphdef, params=params,
-        opt_state=_committed(jax.jit(optimizer.init)(params), policy.mesh), optimizer=optimizer,
+        opt_state=init_opt_state(optimizer, params, policy.mesh), optimizer=optimizer,
         schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
         text_field=spec.text_field, chat_template=spec.chat_template or None,
         sampler=Sampler.from_policy(policy, stop_ids=stop_ids, attention=config.rollout.decode_attention),
@@ -163,43 +163,43 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
         ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None)
 
 
-def _committed(tree, mesh):
-    """`tree` with every array committed to its device(s): `update` returns committed arrays, and an uncommitted
-    input (optax's fresh step count) would make the second step compile `update` again. A leaf off `mesh` (that
-    count lands on one device) is replicated over it, as `update` returns it (and may span several processes)."""
-    if mesh is None:
-        return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
-    devices, everywhere = set(mesh.devices.flat), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if x.sharding.device_set == devices
-                        else jax.device_put(np.asarray(x), everywhere), tree)
-
-
-def _meshes(config: ml_collections.ConfigDict, num_agents: int) -> list:
-    """One mesh per agent: the whole device set (shared) or disjoint equal slices of it (partitioned)."""
-    devices = jax.devices()
-    if config.placement == "partitioned":
-        # Each agent takes an equal share of every process's devices, so every agent spans every process (host
-        # reads gather through collectives, which need devices of each process). One process: contiguous slices.
-        local = [[d for d in devices if d.process_index == p] for p in range(jax.process_count())]
-        if len(local[0]) < num_agents or len(local[0]) % num_agents:
-            raise ValueError(f"placement='partitioned' splits the {len(local[0])} devices of each of "
-                             f"{len(local)} process(es) among {num_agents} agents: needs a multiple of the agent "
-                             "count per process. Fix: use placement='shared' or more devices")
-        size = len(local[0]) // num_agents
-        groups = [[d for ds in local for d in ds[i * size:(i + 1) * size]] for i in range(num_agents)]
+def agent_meshes(config: ml_collections.ConfigDict, devices: list, placement: str) -> list:
+    """One ("data", "fsdp", "tensor") mesh per agent of `config` over `devices`: all of them for every agent
+    (placement "shared"), or disjoint equal slices (placement "partitioned"). On several processes each agent takes
+    an equal share of every process's devices, so every agent spans every process (host reads of its arrays gather
+    through collectives, which need devices of each process); on one, contiguous slices. `config.mesh.data=-1`
+    fills the devices the other axes leave."""
+    n, m = len(config.agents), config.mesh
+    processes = sorted({d.process_index for d in devices})
+    local = [[d for d in devices if d.process_index == p] for p in processes]
+    if placement == "partitioned":
+        each = len(local[0])
+        if any(len(ds) != each for ds in local) or each < n or each % n:
+            where = f"{len(devices)} chips" if len(local) == 1 else \
+                f"the {[len(ds) for ds in local]} chips of {len(local)} processes"
+            raise ValueError(f"placement=partitioned splits {where} among {n} agents: needs a multiple of the agent "
+                             "count (on every process). Fix: --config.placement=shared (compile_check: "
+                             "--placement=shared) or a larger slice")
+        size = each // n
+        groups = [[d for ds in local for d in ds[i * size:(i + 1) * size]] for i in range(n)]
+    elif placement == "shared":
+        groups = [list(devices)] * n
     else:
-        groups = [devices] * num_agents
-    m = config.mesh
-    meshes = []
-    for group in groups:
-        data = len(group) // (m.fsdp * m.tensor) if m.data == -1 else m.data
-        if data * m.fsdp * m.tensor > len(group):
-            raise ValueError(f"mesh data={data} fsdp={m.fsdp} tensor={m.tensor} needs more than the "
-                             f"{len(group)} devices of an agent. Fix: config.mesh.* or placement")
-        used = group[:data * m.fsdp * m.tensor]
-        multihost.check_spans_processes(used, f"mesh data={data} fsdp={m.fsdp} tensor={m.tensor}")
-        meshes.append(make_mesh(data=data, fsdp=m.fsdp, tensor=m.tensor, devices=used))
-    return meshes
+        raise ValueError(f"unknown placement {placement!r}. Fix: --config.placement=shared or partitioned")
+    size = len(groups[0])
+    data = size // (m.fsdp * m.tensor) if m.data == -1 else m.data
+    used = data * m.fsdp * m.tensor
+    what = f"mesh data={m.data} fsdp={m.fsdp} tensor={m.tensor}"
+    if min(m.fsdp, m.tensor) < 1 or data < 1 or size % used or (m.data == -1 and used != size):
+        raise ValueError(f"{what} does not fit the {size} chips of an agent ({placement} placement). Fix: "
+                         f"--config.mesh.* with data*fsdp*tensor dividing {size} (data=-1 fills the rest)")
+    if len(processes) > 1:
+        missing = sorted(set(processes) - {d.process_index for d in groups[0][:used]})
+        if missing:
+            raise ValueError(f"{what} uses no device of process(es) {missing}; with several processes every agent's "
+                             "mesh must span all of them. Fix: --config.mesh.data=-1 (all of the agent's devices) "
+                             "or a mesh whose size is the agent's device count")
+    return [make_mesh(data=data, fsdp=m.fsdp, tensor=m.tensor, devices=group[:used]) for group in groups]
 
 
 # --------------------------------------------------------------------------------------------- the GRPO update

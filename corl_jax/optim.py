@@ -75,6 +75,25 @@ def make_optimizer(
     )
 
 
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, mesh=None) -> Any:
+    """Shardings of ``optimizer.init(params)``: every subtree shaped like ``params`` (AdamW's mu and nu) takes the
+    parameters' shardings leaf for leaf; the rest (step counts) is replicated over ``mesh``, or without a mesh placed
+    like the first parameter. ``params`` may be abstract (``jax.ShapeDtypeStruct`` leaves with shardings)."""
+    structure = jax.tree.structure(params)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    rest = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+            else jax.tree.leaves(shardings)[0])
+    like_params = lambda x: jax.tree.structure(x) == structure  # noqa: E731
+    return jax.tree.map(lambda x: shardings if like_params(x) else rest, jax.eval_shape(optimizer.init, params),
+                        is_leaf=like_params)
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh=None) -> Any:
+    """``optimizer.init(params)`` placed per ``opt_state_shardings``: moments sharded like their parameters, every
+    array committed (as ``update`` returns them, so its second step reuses the first step's compilation)."""
+    return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params, mesh))(params)
+
+
 def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
     """Cast the floating-point leaves of a pytree to ``dtype`` (integer leaves untouched)."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
