@@ -128,29 +128,6 @@ def model_config(model_path: str, spec, remat: str):
                                     remat=remat, attention="xla")
 
 
-def agent_meshes(config, devices: list, placement: str) -> list:
-    """One mesh per agent over `devices`, as the cohort places them (whole set, or disjoint equal slices)."""
-    from corl_jax.models.sharding import make_mesh
-
-    n, m = len(config.agents), config.mesh
-    if placement == "partitioned":
-        if len(devices) < n or len(devices) % n:
-            raise ValueError(f"placement=partitioned splits {len(devices)} chips among {n} agents: needs a multiple "
-                             "of the agent count. Fix: --placement=shared or a larger slice")
-        size = len(devices) // n
-        groups = [devices[i * size:(i + 1) * size] for i in range(n)]
-    else:
-        groups = [devices] * n
-    size = len(groups[0])
-    data = size // (m.fsdp * m.tensor) if m.data == -1 else m.data
-    used = data * m.fsdp * m.tensor
-    if data < 1 or used > size or (m.data == -1 and used != size):
-        raise ValueError(f"mesh data={m.data} fsdp={m.fsdp} tensor={m.tensor} does not fit the {size} chips of an "
-                         f"agent ({placement} placement). Fix: --config.mesh.* with data*fsdp*tensor dividing {size} "
-                         "(data=-1 fills the rest)")
-    return [make_mesh(data=data, fsdp=m.fsdp, tensor=m.tensor, devices=group[:used]) for group in groups]
-
-
 def _is_variable(x) -> bool:
     from flax import nnx
 
@@ -185,7 +162,7 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     from corl_jax import cohort
     from corl_jax.models import Decoder
     from corl_jax.models.sharding import batch_sharding, state_shardings
-    from corl_jax.optim import make_optimizer
+    from corl_jax.optim import make_optimizer, opt_state_shardings
     from corl_jax.sampling.controls import SamplingParams
     from corl_jax.sampling.engine import Buckets, Sampler, round_up
 
@@ -216,12 +193,8 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     optimizer = make_optimizer(o.learning_rate, config.train.max_steps, warmup_ratio=o.warmup_ratio,
                                min_lr_rate=o.min_lr_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                max_grad_norm=o.max_grad_norm)
-    # AdamW's moments sharded like the parameters of their shape (XLA gives `jax.jit(optimizer.init)`'s zeros no
-    # sharding of their own), step counts replicated
-    like = {(v.shape, v.dtype): v.sharding for v in jax.tree.leaves(params)}
-    opt_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                            sharding=like.get((a.shape, a.dtype), replicated)),
-                             jax.eval_shape(optimizer.init, params))
+    opt_state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                             jax.eval_shape(optimizer.init, params), opt_state_shardings(optimizer, params, mesh))
     T = width + r.max_new_tokens
     update_batch = {"tokens": sds((batch, T), jnp.int32), "attention": sds((batch, T), bool),
                     "completion_mask": sds((batch, r.max_new_tokens), jnp.float32),
@@ -248,8 +221,10 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
 def check(config, topology: str, placement: str, prompt_len: int, cache: dict | None = None) -> dict:
     """Compile every agent for `topology` with `placement`; per-chip memory and the fit. `cache` (a dict) reuses an
     agent's compiled figures for the same model, chip kind and mesh shape (e.g. across placements and slices)."""
+    from corl_jax import cohort
+
     devices, hbm_gib = topology_devices(topology)
-    meshes = agent_meshes(config, devices, placement)
+    meshes = cohort.agent_meshes(config, devices, placement)
     cache = {} if cache is None else cache
     agents = {}
     for name, mesh in zip(config.agents, meshes):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from config_files import load_config
-from corl_jax import compile_check
+from corl_jax import cohort, compile_check
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None or os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", ""))
@@ -64,7 +64,7 @@ def test_bad_slices_and_meshes_are_one_line_errors(topology, placement, mesh, me
     config = load_config("ring3")
     config.mesh.update(data=-1, **mesh)
     with pytest.raises(ValueError, match=message) as error:
-        compile_check.agent_meshes(config, compile_check.topology_devices(topology)[0], placement)
+        cohort.agent_meshes(config, compile_check.topology_devices(topology)[0], placement)
     assert "\n" not in str(error.value)
 
 
