@@ -229,6 +229,9 @@ def test_placements_on_eight_devices(placement, mesh, tmp_path):
         assert device_sets[0].isdisjoint(device_sets[1]) and all(len(d) == 4 for d in device_sets)
     else:
         assert device_sets[0] == device_sets[1] and len(device_sets[0]) == 8
+    for agent in agents:  # AdamW's moments placed like their parameters
+        mu = agent.opt_state[1][0].mu
+        assert [x.sharding for x in jax.tree.leaves(mu)] == [x.sharding for x in jax.tree.leaves(agent.params)]
     summary = train(config, str(tmp_path))
     assert summary["steps"] == 2
     for name, state in final_state(tmp_path).items():
