@@ -62,15 +62,6 @@ def broadcast(tree: Any) -> Any:
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-def check_spans_processes(devices, what: str) -> None:
-    """Host reads gather through collectives, so every agent's mesh must include devices of every process."""
-    missing = sorted(set(range(jax.process_count())) - {d.process_index for d in devices})
-    if missing:
-        raise ValueError(f"{what} uses no device of process(es) {missing}; with several processes every agent's "
-                         "mesh must span all of them. Fix: config.mesh.data=-1 (all devices) or a mesh that covers "
-                         "every host's devices")
-
-
 def barrier(name: str) -> None:
     """Wait until every process reaches this point (e.g. after process 0 changed files the others read next)."""
     if jax.process_count() > 1:
