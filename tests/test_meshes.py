@@ -44,7 +44,8 @@ def test_agent_meshes_cover_the_placement(count, placement, mesh, shape, disjoin
 
 
 def _fake_devices(per_process, processes):
-    return [SimpleNamespace(id=p * per_process + i, process_index=p) for p in range(processes) for i in range(per_process)]
+    return [SimpleNamespace(id=p * per_process + i, process_index=p)
+            for p in range(processes) for i in range(per_process)]
 
 
 @pytest.mark.parametrize("devices, placement, mesh, message", [
