@@ -86,3 +86,28 @@ def test_auto_picks_splash_on_tpus_cudnn_on_gpus_with_bf16_else_xla():
 
 
 HAVE_LIBTPU = os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", ""))
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="needs libtpu: set TPU_LIBRARY_PATH (see test_compile_check)")
+@pytest.mark.parametrize("hd", [64, 128])
+def test_update_gradient_with_splash_compiles_for_v5e(hd):
+    """The Mosaic kernel (forward and backward), per shard of a v5e-4 data x tensor mesh, lowers and compiles."""
+    from corl_jax.compile_check import topology_devices
+
+    devices, _ = topology_devices("v5e-4")
+    mesh = sharding.make_mesh(data=2, tensor=2, devices=devices)
+    B, T, H, K = 4, 200, 8, 2
+    spec = lambda shape, logical: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(logical, shape, mesh)))
+    q = spec((B, T, H, hd), ("batch", None, "heads", None))
+    k = spec((B, K, T, hd), ("batch", "kv_heads", None, None))
+    m = jax.ShapeDtypeStruct((B, T), bool, sharding=sharding.batch_sharding((B, T), mesh))
+
+    def loss(q, k, v, m):
+        return splash_attention(q, k, v, m).astype(jnp.float32).sum()
+
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, k, m)
+    text = lowered.as_text()
+    assert text.count("tpu_custom_call") >= 3  # forward, dq and dkv kernels
+    lowered.compile()
