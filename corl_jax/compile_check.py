@@ -194,8 +194,8 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     from corl_jax.sampling.engine import Buckets, Sampler, round_up
 
     spec, r, g, o = config.agents[name], config.rollout, config.grpo, config.optim
-    config_ = model_config(spec.model_path, spec, g.remat, g.attention, mesh.devices.flat[0].platform)
-    model = nnx.eval_shape(lambda: Decoder(config_, rngs=nnx.Rngs(0)))
+    model_cfg = model_config(spec.model_path, spec, g.remat, g.attention, mesh.devices.flat[0].platform)
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     for variable, sharding in zip(jax.tree.leaves(state, is_leaf=_is_variable),
                                   jax.tree.leaves(state_shardings(state, mesh))):
@@ -250,7 +250,7 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
         mem["transient"] = mem["temp"] if "oom" in mem else max(
             0, mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] - resident)
     return {"model_path": spec.model_path, "decode_attention": sampler.attention,
-            "update_attention": config_.attention, "resident": resident,
+            "update_attention": model_cfg.attention, "resident": resident,
             "programs": programs}
 
 
