@@ -215,6 +215,18 @@ def _completion_logprobs(graphdef, params, tokens, attention, prompt_len: int, s
                                chunk_size=s.chunk_size, with_stats=True)
 
 
+def _on_mesh(fn, mesh):
+    """`fn` called inside `jax.set_mesh(mesh)`, where TPU attention kernels (splash) run per shard; `fn` without one."""
+    if mesh is None:
+        return fn
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return call
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def score_completions(graphdef, params, tokens, attention, prompt_len: int, s: UpdateSettings):
     """No-grad log p / entropy / mean log p [B, Tc] in micro-batches (old log-probs, KL reference, RENT/Intuitor)."""
@@ -365,8 +377,9 @@ class Cohort:
         out = []
         for agent, b in zip(self.agents, batches):
             prompt_len = b["tokens"].shape[1] - b["completion_mask"].shape[1]
-            _, entropy, mean_logp = score_completions(agent.graphdef, agent.params, b["tokens"], b["attention"],
-                                                      prompt_len, self.settings)
+            score = _on_mesh(score_completions, agent.mesh)
+            _, entropy, mean_logp = score(agent.graphdef, agent.params, b["tokens"], b["attention"],
+                                          prompt_len, self.settings)
             out.append(grpo.intrinsic_rewards(entropy, mean_logp, b["completion_mask"],
                                               agent.policy.config.vocab_size, kind))
         g = self.config.rollout.num_generations
@@ -377,6 +390,7 @@ class Cohort:
         """Advantages, then `num_iterations` optimiser steps of one agent on its rollouts (rows shuffled into
         micro-batches as the reference does), with the reference's metrics (§5.4)."""
         g, r = self.config.grpo, self.config.rollout
+        score, train = _on_mesh(score_completions, agent.mesh), _on_mesh(update, agent.mesh)
         rewards = jnp.asarray(rewards, jnp.float32)  # host-side values (the same on every process): local device
         batch = dict(batch, advantages=agent.put(np.asarray(
             grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards))))
@@ -386,18 +400,18 @@ class Cohort:
         prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
         correction = {}
         if g.num_iterations > 1 or g.importance_sampling_correction:  # TRL computes old log-probs in both cases
-            batch["old_logp"] = score_completions(agent.graphdef, agent.params, batch["tokens"], batch["attention"],
-                                                  prompt_len, self.settings)[0]
+            batch["old_logp"] = score(agent.graphdef, agent.params, batch["tokens"], batch["attention"],
+                                      prompt_len, self.settings)[0]
         if g.importance_sampling_correction:
             batch["is_ratio"], correction = grpo.sampling_correction(
                 batch["old_logp"], sampling_logp, batch["completion_mask"], g.importance_sampling_cap)
         if agent.ref_params is not None:
-            batch["ref_logp"] = score_completions(agent.graphdef, agent.ref_params, batch["tokens"],
-                                                  batch["attention"], prompt_len, self.settings)[0]
+            batch["ref_logp"] = score(agent.graphdef, agent.ref_params, batch["tokens"],
+                                      batch["attention"], prompt_len, self.settings)[0]
         shardings = jax.tree.map(lambda x: x.sharding, (agent.params, agent.opt_state))
         for _ in range(g.num_iterations):
-            params, opt_state, metrics = update(agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch,
-                                                self.settings)
+            params, opt_state, metrics = train(agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch,
+                                               self.settings)
             # back on the input's (equivalent) shardings, so that every step reuses one compiled `update` (and the
             # sampler's programs and a restore target find the loaded layout)
             agent.params, agent.opt_state = jax.device_put((params, opt_state), shardings)

@@ -105,13 +105,15 @@ def topology_devices(topology: str) -> tuple[list, float | None]:
     return list(desc.devices), t.hbm_gib
 
 
-def model_config(model_path: str, spec, remat: str):
-    """The agent's `ModelConfig`: from a local checkpoint's config.json, the paper table or the tiny stand-ins."""
+def model_config(model_path: str, spec, remat: str, attention: str = "xla", platform: str = "cpu"):
+    """The agent's `ModelConfig`: from a local checkpoint's config.json, the paper table or the tiny stand-ins, with
+    the update attention `attention` resolved for `platform` (`attention_impl`)."""
     from pathlib import Path
 
     import jax.numpy as jnp
 
     from corl_jax.models import ModelConfig
+    from corl_jax.models.config import attention_impl
     from corl_jax.zoo import TINY_ARCHITECTURES
 
     if (Path(model_path).expanduser() / "config.json").is_file():
@@ -124,8 +126,10 @@ def model_config(model_path: str, spec, remat: str):
         raise ValueError(f"no model shape for {model_path!r}: point model_path at a local checkpoint directory "
                          f"(its config.json is read) or use one of {', '.join(PAPER_MODELS)} or tiny:<family>")
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    attention = attention_impl(attention, platform, dtypes[spec.compute_dtype], head_dim)
     return ModelConfig.from_hf_dict(hf, param_dtype=dtypes[spec.param_dtype], dtype=dtypes[spec.compute_dtype],
-                                    remat=remat, attention="xla")
+                                    remat=remat, attention=attention)
 
 
 def _is_variable(x) -> bool:
@@ -167,7 +171,8 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     from corl_jax.sampling.engine import Buckets, Sampler, round_up
 
     spec, r, g, o = config.agents[name], config.rollout, config.grpo, config.optim
-    model = nnx.eval_shape(lambda: Decoder(model_config(spec.model_path, spec, g.remat), rngs=nnx.Rngs(0)))
+    model_cfg = model_config(spec.model_path, spec, g.remat, g.attention, mesh.devices.flat[0].platform)
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     for variable, sharding in zip(jax.tree.leaves(state, is_leaf=_is_variable),
                                   jax.tree.leaves(state_shardings(state, mesh))):
@@ -202,8 +207,11 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     settings = cohort.UpdateSettings(loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,
                                      num_micro=batch // g.micro_batch_size, chunk_size=g.logprob_chunk_size,
                                      temperature=r.temperature if r.temperature > 0 else 1.0)
-    update_memory = _compiled_memory(
-        lambda: cohort.update.lower(graphdef, optimizer, params, opt_state, update_batch, settings).compile())
+    def compile_update():  # under the mesh: the splash kernel runs per shard
+        with jax.set_mesh(mesh):
+            return cohort.update.lower(graphdef, optimizer, params, opt_state, update_batch, settings).compile()
+
+    update_memory = _compiled_memory(compile_update)
 
     def per_chip(tree) -> int:  # bytes of one chip's shard of every leaf
         return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
@@ -214,7 +222,8 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     for mem in programs.values():  # (an "oom" program's arguments are at least the resident state: its temp counts)
         mem["transient"] = mem["temp"] if "oom" in mem else max(
             0, mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] - resident)
-    return {"model_path": spec.model_path, "decode_attention": sampler.attention, "resident": resident,
+    return {"model_path": spec.model_path, "decode_attention": sampler.attention,
+            "update_attention": model_cfg.attention, "resident": resident,
             "programs": programs}
 
 
@@ -264,6 +273,7 @@ def format_report(report: dict) -> str:
             fits = {True: "yes", False: "NO", None: "?"}[a["fits"]] + (" (libtpu: out of HBM)" if "oom" in m else "")
             lines.append(f"  {name:<10} {mesh:<28} {prog:<8} {gib(m['argument'])}  {gib(m['output'])}   "
                          f"{gib(m['temp'])}   {gib(a['resident'])}   {gib(a['peak_per_chip'])}  {fits}")
+        lines.append(f"  {name:<10} attention: decode {a['decode_attention']}, update {a['update_attention']}")
     return "\n".join(lines)
 
 

@@ -95,7 +95,7 @@ def base_config() -> ml_collections.ConfigDict:
             "mask_truncated_completions": False,
             "logprob_chunk_size": 128,  # positions per chunk of the log-prob pass (peak ≈ micro_batch·chunk·V fp32)
             "remat": "full",            # rematerialisation policy: none / full / dots / dots_no_batch
-            "attention": "auto",        # full-sequence attention: auto (cudnn where it can) / xla / cudnn
+            "attention": "auto",        # full-sequence attention: auto (splash on TPUs, cudnn on GPUs) / xla / cudnn / splash
     })
     c.optim = ml_collections.ConfigDict({
             "learning_rate": 1e-6,

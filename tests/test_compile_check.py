@@ -40,6 +40,8 @@ def test_compiles_sampler_and_update_for_a_tpu_slice_without_weights(tmp_path):
     agent = report["agents"]["qwen25"]
     assert agent["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
     assert agent["decode_attention"] == "pallas"  # the Mosaic kernel lowered for TPU inside the sampler
+    assert agent["update_attention"] == "splash"  # grpo.attention=auto: the splash kernel inside the update
+    assert "qwen25     attention: decode pallas, update splash" in run.stdout
     # data parallel: every chip holds all fp32 parameters and AdamW's two moments (+ scalar counts)
     n = sum(_param_counts(QWEN3_128))
     assert 12 * n <= agent["resident"] < 12 * n + 1024

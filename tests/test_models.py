@@ -224,9 +224,9 @@ def test_fused_attention_layout_equals_einsum_attention():
     rows = np.asarray(mask)  # padding query rows are garbage in both (masked downstream)
     np.testing.assert_allclose(np.asarray(_fused_attention(q, k, v, full, implementation="xla"))[rows],
                                np.asarray(_attention(q, k, v, full, c))[rows], atol=1e-5)
-    assert not c.fused_attention  # "xla" by default
-    assert not dataclasses.replace(c, attention="auto").fused_attention  # auto: cuDNN on GPUs only
-    assert dataclasses.replace(c, attention="cudnn").fused_attention
+    assert c.train_attention == "xla"  # by default
+    assert dataclasses.replace(c, attention="auto").train_attention == "xla"  # auto on CPUs
+    assert dataclasses.replace(c, attention="cudnn").train_attention == "cudnn"
     with pytest.raises(ValueError, match="attention='flash'.*auto.*xla.*cudnn"):
         ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 16, "hidden_size": 48, "intermediate_size": 8,
                                   "num_hidden_layers": 1, "num_attention_heads": H}, attention="flash")

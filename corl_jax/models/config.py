@@ -25,8 +25,22 @@ _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config.head_dim default (not hidden/heads)
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # Attention of full-sequence forwards (training, scoring): "xla" (einsum, float32 scores; any device), "cudnn"
 # (jax.nn.dot_product_attention's fused cuDNN kernel; NVIDIA GPUs, bf16/fp16 compute, head_dim a multiple of 8 up
-# to 128) or "auto" (cudnn where those conditions hold, else xla).
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# to 128), "splash" (Pallas' TPU splash-attention kernel, models/splash_attention.py) or "auto" (see
+# `attention_impl`).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+
+
+def attention_impl(requested: str, platform: str, dtype, head_dim: int) -> str:
+    """The full-sequence attention that runs: `requested` unless "auto", which picks splash on TPUs, cudnn on GPUs
+    with bf16/fp16 compute and a head_dim it takes (a multiple of 8 up to 128), else xla."""
+    if requested != "auto":
+        return requested
+    if platform == "tpu":
+        return "splash"
+    if (platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0 and head_dim <= 128):
+        return "cudnn"
+    return "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +105,9 @@ class ModelConfig:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
     @property
-    def fused_attention(self) -> bool:
-        """Whether full-sequence forwards use the cuDNN kernel (`attention`, resolved for the default backend)."""
-        if self.attention != "auto":
-            return self.attention == "cudnn"
-        return (jax.default_backend() == "gpu" and self.dtype in (jnp.bfloat16, jnp.float16)
-                and self.head_dim % 8 == 0 and self.head_dim <= 128)
+    def train_attention(self) -> str:
+        """The full-sequence attention that runs on the default backend (`attention_impl`)."""
+        return attention_impl(self.attention, jax.default_backend(), self.dtype, self.head_dim)
 
     @classmethod
     def from_hf_dict(cls, hf: dict, *, param_dtype=jnp.float32, dtype=None, remat: str = "none",

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from corl_jax.models.config import ModelConfig
+from corl_jax.models.splash_attention import splash_attention
 
 _F32 = jnp.float32
 _MASKED = jnp.finfo(_F32).min  # finite, so fully-masked (padding) query rows stay NaN-free
@@ -160,7 +161,7 @@ class Decoder(nnx.Module):
         T = input_ids.shape[1]
         causal = jnp.tril(jnp.ones((T, T), bool))
         mask = causal[None] & attention_mask[:, None, :].astype(bool)
-        return self._run(input_ids, positions, mask, None, None, unroll_layers)[0]
+        return self._run(input_ids, positions, mask, None, None, unroll_layers, token_mask=attention_mask)[0]
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache for `batch` rows and `max_len` slots (dtype defaults to the compute dtype)."""
@@ -251,8 +252,9 @@ class Decoder(nnx.Module):
         hidden, cache = self._run(input_ids, positions, mask, cache, attend_len, unroll_layers=False)
         return hidden, cache.replace(mask=slot_mask, index=cache.index + T)
 
-    def _run(self, input_ids, positions, mask, cache, attend_len, unroll_layers):
-        """Embed, scan (or unroll) the stacked layers (optionally with the cache on the carry), final norm."""
+    def _run(self, input_ids, positions, mask, cache, attend_len, unroll_layers, token_mask=None):
+        """Embed, scan (or unroll) the stacked layers (optionally with the cache on the carry), final norm.
+        `token_mask` [B, T] (full-sequence forwards) is what the splash kernel masks keys by."""
         c = self.config
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(c.dtype)
         cos, sin = _rope_cos_sin(positions, c.rope_inv_freq())
@@ -263,7 +265,10 @@ class Decoder(nnx.Module):
 
             def attend(q, k, v):
                 if kv is None:
-                    attn = _fused_attention(q, k, v, mask) if c.fused_attention else _attention(q, k, v, mask, c)
+                    impl = c.train_attention
+                    if impl == "splash":
+                        return splash_attention(q, k, v, token_mask), None
+                    attn = _fused_attention(q, k, v, mask) if impl == "cudnn" else _attention(q, k, v, mask, c)
                     return attn, None
                 # write this block's K/V at `cache.index`, then read the attended prefix
                 ck, cv = (_write_slot(x, new, layer, cache.index) for x, new in zip(kv, (k, v)))
