@@ -104,10 +104,16 @@ def _assert_same_run(reference: Path, run: Path) -> None:
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("zoo_cache")
-    os.environ["CORL_JAX_CACHE"] = str(cache)  # inherited by the trainers; the single-process run builds it first
-    yield cache
-    del os.environ["CORL_JAX_CACHE"]
+    """The trainers' model zoo and a persistent compilation cache, shared by this module's runs (inherited through
+    the environment): the runs of one topology (2 x 4 shared: the parametrized run, the killed run and its restart)
+    compile once; process 0 writes each executable and every process reads it, bit for bit what it would compile."""
+    env = {"CORL_JAX_CACHE": str(tmp_path_factory.mktemp("zoo_cache")),  # the single-process run builds it first
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compilation_cache")),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    os.environ.update(env)
+    yield env["CORL_JAX_CACHE"]
+    for name in env:
+        del os.environ[name]
 
 
 @pytest.fixture(scope="module")
