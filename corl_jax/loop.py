@@ -205,16 +205,8 @@ def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, f
 
 def _prepare_workdir(config: ml_collections.ConfigDict, workdir: epath.Path) -> dict:
     """`workdir.prepare` on process 0 (it may move an old run aside); the others go on (and look for checkpoints)
-    once it is done, and raise its WorkdirError too."""
-    changes, error = {}, None
-    if multihost.is_main():
-        try:
-            changes = run_dir.prepare(config, workdir)
-        except run_dir.WorkdirError as e:
-            error = e
-    if not multihost.broadcast(np.array(error is None, np.int32)):  # a collective: also the barrier
-        raise error or run_dir.WorkdirError(f"process 0 refused workdir {workdir} (its output says why)")
-    return changes
+    once it is done, and raise its WorkdirError, with its message, too."""
+    return multihost.first_error(lambda: run_dir.prepare(config, workdir), (run_dir.WorkdirError,)) or {}
 
 
 def _print(line: str) -> None:

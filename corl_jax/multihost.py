@@ -8,7 +8,9 @@ time out where another did not) is done by process 0 only and broadcast, so ever
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -73,3 +75,42 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _broadcast_text(text: str) -> str:
+    """Process 0's `text` on every process (two broadcasts: its length, then its UTF-8 bytes)."""
+    data = np.frombuffer(text.encode(), np.uint8)
+    size = int(broadcast(np.array(data.size, np.int32)))
+    if not size:
+        return ""
+    return bytes(broadcast(data if is_main() else np.zeros(size, np.uint8))).decode()
+
+
+def first_error(fn: Callable[[], Any], errors: tuple[type[Exception], ...]) -> Any:
+    """`fn()` on process 0 only (its value there, None elsewhere). If it raises one of `errors`, every process raises
+    that error type with process 0's message, so a refusal seen by process 0 alone (an unreadable file, a workdir
+    check) ends every process with the same one-line error instead of a hang in the next collective."""
+    result, kind, message = None, -1, ""
+    if is_main():
+        try:
+            result = fn()
+        except errors as e:
+            kind, message = next(i for i, t in enumerate(errors) if isinstance(e, t)), str(e)
+            if jax.process_count() == 1:
+                raise
+    if jax.process_count() > 1:
+        kind = int(broadcast(np.array(kind, np.int32)))
+        message = _broadcast_text(message)
+    if kind >= 0:
+        raise errors[kind](message)
+    return result
+
+
+def disagreeing_processes(text: str) -> list[int]:
+    """The processes whose `text` (e.g. the resolved config as JSON) differs from process 0's (a collective: every
+    process gets the same list)."""
+    if jax.process_count() == 1:
+        return []
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    digests = np.asarray(multihost_utils.process_allgather(digest))
+    return [i for i in range(1, digests.shape[0]) if not np.array_equal(digests[i], digests[0])]

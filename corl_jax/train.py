@@ -84,6 +84,11 @@ def run(config, workdir: str) -> int:
     from corl_jax.workdir import WorkdirError
 
     try:
+        differ = multihost.disagreeing_processes(config.to_json_best_effort(sort_keys=True))
+        if differ:
+            raise ConfigError(f"process(es) {differ} resolved another config than process 0 (a slice whose hosts "
+                              "disagree on the config). Fix: run the same command, with the same config file and "
+                              "data, on every host")
         validate(config)
         logging.info("config:\n%s", config)
         with StopRequest() as stop:

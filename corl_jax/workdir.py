@@ -72,7 +72,11 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | epath.Path) -> dic
     saved_path = workdir / "config.json"
     if not saved_path.exists():
         return {}
-    saved = json.loads(saved_path.read_text())
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WorkdirError(f"{saved_path} cannot be read as JSON ({e}). Fix: restore it from config_history.jsonl's "
+                           "last entry, or add --config.train.restart=True to move the old run aside") from e
     changes = config_changes(saved, json.loads(config.to_json_best_effort()))
     refused = {k: v for k, v in changes.items() if k not in SAFE_ON_RESUME}
     if refused:

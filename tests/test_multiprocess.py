@@ -32,15 +32,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(workdir: Path, processes: int, devices: int, *flags: str) -> list[subprocess.Popen]:
-    """`processes` trainers of `configs/ring3.py:tiny` with `devices` CPU devices each, sharing `workdir`."""
+def _launch(workdir: Path, processes: int, devices: int, *flags: str,
+            only: dict[int, tuple[str, ...]] | None = None) -> list[subprocess.Popen]:
+    """`processes` trainers of `configs/ring3.py:tiny` with `devices` CPU devices each, sharing `workdir`; `only`
+    adds flags to some processes."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}", *STEPS,
            *flags]
     if processes > 1:
         cmd += [f"--coordinator_address=localhost:{_free_port()}", f"--num_processes={processes}"]
-    return [subprocess.Popen(cmd + ([f"--process_id={i}"] if processes > 1 else []), cwd=REPO, env=env,
+    only = only or {}
+    return [subprocess.Popen(cmd + ([f"--process_id={i}"] if processes > 1 else []) + list(only.get(i, ())), cwd=REPO,
+                             env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(processes)]
 
@@ -100,10 +104,16 @@ def _assert_same_run(reference: Path, run: Path) -> None:
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("zoo_cache")
-    os.environ["CORL_JAX_CACHE"] = str(cache)  # inherited by the trainers; the single-process run builds it first
-    yield cache
-    del os.environ["CORL_JAX_CACHE"]
+    """The trainers' model zoo and a persistent compilation cache, shared by this module's runs (inherited through
+    the environment): the runs of one topology (2 x 4 shared: the parametrized run, the killed run and its restart)
+    compile once; process 0 writes each executable and every process reads it, bit for bit what it would compile."""
+    env = {"CORL_JAX_CACHE": str(tmp_path_factory.mktemp("zoo_cache")),  # the single-process run builds it first
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compilation_cache")),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    os.environ.update(env)
+    yield env["CORL_JAX_CACHE"]
+    for name in env:
+        del os.environ[name]
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +157,32 @@ def test_sigkill_of_one_process_then_restart_resumes_exactly(single_process_run,
         _kill(procs)
     _run(tmp_path / "killed", 2, 4, flag)
     _assert_same_run(single_process_run("shared", 8), tmp_path / "killed")
+
+
+def _refusals(procs: list[subprocess.Popen]) -> list[str]:
+    """Every process's `error:` lines once all exited 2 (on a hang past the guard all are killed)."""
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        _kill(procs)
+    assert [p.returncode for p in procs] == [2] * len(procs), outputs
+    return [[line for line in out.splitlines() if line.startswith("error: ")] for out in outputs]
+
+
+def test_hosts_disagreeing_on_the_config_all_exit_2_with_one_line(tmp_path):
+    errors = _refusals(_launch(tmp_path / "run", 2, 1, only={1: ("--config.seed=7",)}))
+    assert errors[0] == errors[1] and len(errors[0]) == 1, errors
+    assert "process(es) [1] resolved another config than process 0" in errors[0][0]
+    assert "run the same command" in errors[0][0]
+    assert not (tmp_path / "run").exists()  # refused before process 0 touched the workdir
+
+
+def test_corrupt_config_json_seen_by_process_0_stops_every_process_with_its_line(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{not json")
+    errors = _refusals(_launch(tmp_path / "run", 2, 1))
+    assert errors[0] == errors[1] and len(errors[0]) == 1, errors
+    assert "config.json cannot be read as JSON" in errors[0][0] and "Fix:" in errors[0][0]
 
 
 def test_run_files_and_data_go_through_epath(monkeypatch):
