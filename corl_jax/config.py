@@ -10,8 +10,9 @@ import ml_collections
 
 from corl_jax import arithmetic
 from corl_jax.data import arithmetic_source
-from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
-from corl_jax.sampling.engine import ATTENTION_IMPLS as DECODE_ATTENTION_IMPLS
+from corl_jax.grpo import LOSS_TYPES, SCALE_MODES
+from corl_jax.models.config import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
+from corl_jax.sampling.engine import DECODE_ATTENTION_IMPLS
 from corl_jax.zoo import FAMILIES
 
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
@@ -19,7 +20,6 @@ TASKS = ("math", "code")  # what the prompts ask for and how answers are keyed a
 CO_RL_TOPOLOGIES = ("pair", "ring", "peer_majority")
 # The supervision topology each non-Co-RL method implies.
 METHOD_TOPOLOGY = {"ttrl": "self", "gt_reward": "ground_truth", "rent": "intrinsic", "intuitor": "intrinsic"}
-LOSS_TYPES = ("bnpo", "grpo", "dr_grpo", "dapo")
 PLACEMENTS = ("shared", "partitioned")
 DTYPES = ("float32", "bfloat16")
 
@@ -221,12 +221,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     g = config.grpo
     if g.loss_type not in LOSS_TYPES:
         fail("grpo.loss_type", f"unknown {g.loss_type!r}", f"use one of {LOSS_TYPES}")
-    if g.scale_rewards not in ("group", "batch", "none"):
-        fail("grpo.scale_rewards", f"unknown {g.scale_rewards!r}", "use 'group', 'batch' or 'none'")
+    if g.scale_rewards not in SCALE_MODES:
+        fail("grpo.scale_rewards", f"unknown {g.scale_rewards!r}", f"use one of {SCALE_MODES}")
     if g.remat not in REMAT_POLICIES:
         fail("grpo.remat", f"unknown policy {g.remat!r}", f"use one of {REMAT_POLICIES}")
-    if g.attention not in ATTENTION_IMPLS:
-        fail("grpo.attention", f"unknown implementation {g.attention!r}", f"use one of {ATTENTION_IMPLS}")
+    if g.attention not in TRAIN_ATTENTION_IMPLS:
+        fail("grpo.attention", f"unknown implementation {g.attention!r}", f"use one of {TRAIN_ATTENTION_IMPLS}")
     if g.num_iterations < 1:
         fail("grpo.num_iterations", "must be at least 1", "set 1 (the reference)")
     at_least("grpo.micro_batch_size", 1, "set a positive divisor of prompts_per_step * num_generations")
