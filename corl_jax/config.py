@@ -59,7 +59,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.agents = ml_collections.ConfigDict(sort_keys=False)
 
     c.data = ml_collections.ConfigDict({
-            "train_path": "hf:q1716523669/MATH-Level345",  # JSON / JSONL / parquet file, "hf:<name>[:split]", "tfds:<name>[:split]", "arithmetic"
+            # a JSON / JSONL / parquet file, "hf:<name>[:split]", "tfds:<name>[:split]" or "arithmetic"
+            "train_path": "hf:q1716523669/MATH-Level345",
             "question_field": "",      # "" = auto-detect (prompt / problem / question)
             "answer_field": "",        # "" = auto-detect (answer / solution / Answer)
             "eval_path": "",           # "" = the reference's 150-row holdout of the training file

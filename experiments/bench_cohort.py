@@ -27,10 +27,10 @@ from corl_jax.cohort import Cohort, make_agent
 from corl_jax.config import agent_config, base_config
 from corl_jax.data import PromptBlock
 from corl_jax.models import Decoder, ModelConfig, Policy
-from corl_jax.tokenization import build_tokenizer, load_tokenizer
-from corl_jax.zoo import CHAT_STYLE
 from corl_jax.models.config import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
 from corl_jax.sampling.engine import DECODE_ATTENTION_IMPLS
+from corl_jax.tokenization import build_tokenizer, load_tokenizer
+from corl_jax.zoo import CHAT_STYLE
 from shapes import SHAPES
 
 

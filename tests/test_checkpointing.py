@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from corl_jax.checkpointing import CheckpointError, Checkpointer, NonFiniteStateError, Snapshot
+from corl_jax.checkpointing import Checkpointer, CheckpointError, NonFiniteStateError, Snapshot
 from corl_jax.data import Problem, PromptStream
 
 

@@ -334,7 +334,8 @@ def test_unknown_model_type(broken):
 def test_shape_mismatch_names_tensor(broken):
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
-    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight .* shape \(64, 96\) .* implies \(64, 80\)"):
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight .* shape \(64, 96\) "
+                                         r".* implies \(64, 80\)"):
         models.from_pretrained(broken)
 
 
