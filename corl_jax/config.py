@@ -6,6 +6,8 @@ a bad combination into an error that names the key and the fix before any model 
 
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
 
 from corl_jax import arithmetic
@@ -145,6 +147,24 @@ def baseline_config(method: str) -> ml_collections.ConfigDict:
 def topology_of(config: ml_collections.ConfigDict) -> str:
     """The supervision topology a config runs: its own for Co-RL, the method's for the baselines."""
     return config.topology if config.method == "co_rl" else METHOD_TOPOLOGY[config.method]
+
+
+def unknown_key_error(config: ml_collections.ConfigDict, key: str) -> str | None:
+    """None when the dotted `key` (e.g. "rollout.num_generations") is a key of `config`; else a one-line error naming
+    the first unknown part, its nearest valid keys and every key of its section."""
+    node, path = config, "config"
+    for part in key.split("."):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"{path} is a value, not a section, so {path}.{part} does not exist. Fix: override {path} itself"
+        if part not in node:
+            keys = list(node.keys())
+            near = difflib.get_close_matches(part, keys, n=2)
+            guess = f" (did you mean {' or '.join(f'{path}.{k}' for k in near)}?)" if near else ""
+            return (f"{path}.{part} is not a key of this config{guess}. Fix: use a key of {path}: "
+                    f"{', '.join(keys) or '(none)'}; base_config() in corl_jax/config.py defines every key with its "
+                    "default (the config file adds the agents)")
+        node, path = node[part], f"{path}.{part}"
+    return None
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
