@@ -186,12 +186,6 @@ class Checkpointer:
         logging.warning("checkpoint %s is damaged (%s): moved to %s, an older step is restored", self.step_dir(step),
                         why, target)
 
-    def restore_latest(self, state_target: Any = None, fallback_to_previous: bool = False) -> Snapshot | None:
-        """Automatic resume: the latest snapshot, or None when the workdir has no checkpoint yet."""
-        if self.latest_step() is None:
-            return None
-        return self.restore(state_target=state_target, fallback_to_previous=fallback_to_previous)
-
     def _read(self, step: int, state_target: Any) -> Snapshot:
         with _quiet():
             restored = self._manager.restore(

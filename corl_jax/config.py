@@ -6,12 +6,15 @@ a bad combination into an error that names the key and the fix before any model 
 
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
 
 from corl_jax import arithmetic
 from corl_jax.data import arithmetic_source
-from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
-from corl_jax.sampling.engine import ATTENTION_IMPLS as DECODE_ATTENTION_IMPLS
+from corl_jax.grpo import LOSS_TYPES, SCALE_MODES
+from corl_jax.models.config import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
+from corl_jax.sampling.engine import DECODE_ATTENTION_IMPLS
 from corl_jax.zoo import FAMILIES
 
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
@@ -19,7 +22,6 @@ TASKS = ("math", "code")  # what the prompts ask for and how answers are keyed a
 CO_RL_TOPOLOGIES = ("pair", "ring", "peer_majority")
 # The supervision topology each non-Co-RL method implies.
 METHOD_TOPOLOGY = {"ttrl": "self", "gt_reward": "ground_truth", "rent": "intrinsic", "intuitor": "intrinsic"}
-LOSS_TYPES = ("bnpo", "grpo", "dr_grpo", "dapo")
 PLACEMENTS = ("shared", "partitioned")
 DTYPES = ("float32", "bfloat16")
 
@@ -59,7 +61,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.agents = ml_collections.ConfigDict(sort_keys=False)
 
     c.data = ml_collections.ConfigDict({
-            "train_path": "hf:q1716523669/MATH-Level345",  # JSON / JSONL / parquet file, "hf:<name>[:split]", "tfds:<name>[:split]", "arithmetic"
+            # a JSON / JSONL / parquet file, "hf:<name>[:split]", "tfds:<name>[:split]" or "arithmetic"
+            "train_path": "hf:q1716523669/MATH-Level345",
             "question_field": "",      # "" = auto-detect (prompt / problem / question)
             "answer_field": "",        # "" = auto-detect (answer / solution / Answer)
             "eval_path": "",           # "" = the reference's 150-row holdout of the training file
@@ -146,6 +149,24 @@ def topology_of(config: ml_collections.ConfigDict) -> str:
     return config.topology if config.method == "co_rl" else METHOD_TOPOLOGY[config.method]
 
 
+def unknown_key_error(config: ml_collections.ConfigDict, key: str) -> str | None:
+    """None when the dotted `key` (e.g. "rollout.num_generations") is a key of `config`; else a one-line error naming
+    the first unknown part, its nearest valid keys and every key of its section."""
+    node, path = config, "config"
+    for part in key.split("."):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"{path} is a value, not a section, so {path}.{part} does not exist. Fix: override {path} itself"
+        if part not in node:
+            keys = list(node.keys())
+            near = difflib.get_close_matches(part, keys, n=2)
+            guess = f" (did you mean {' or '.join(f'{path}.{k}' for k in near)}?)" if near else ""
+            return (f"{path}.{part} is not a key of this config{guess}. Fix: use a key of {path}: "
+                    f"{', '.join(keys) or '(none)'}; base_config() in corl_jax/config.py defines every key with its "
+                    "default (the config file adds the agents)")
+        node, path = node[part], f"{path}.{part}"
+    return None
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raise ValueError naming the offending key and the fix for a config that cannot run."""
 
@@ -221,12 +242,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     g = config.grpo
     if g.loss_type not in LOSS_TYPES:
         fail("grpo.loss_type", f"unknown {g.loss_type!r}", f"use one of {LOSS_TYPES}")
-    if g.scale_rewards not in ("group", "batch", "none"):
-        fail("grpo.scale_rewards", f"unknown {g.scale_rewards!r}", "use 'group', 'batch' or 'none'")
+    if g.scale_rewards not in SCALE_MODES:
+        fail("grpo.scale_rewards", f"unknown {g.scale_rewards!r}", f"use one of {SCALE_MODES}")
     if g.remat not in REMAT_POLICIES:
         fail("grpo.remat", f"unknown policy {g.remat!r}", f"use one of {REMAT_POLICIES}")
-    if g.attention not in ATTENTION_IMPLS:
-        fail("grpo.attention", f"unknown implementation {g.attention!r}", f"use one of {ATTENTION_IMPLS}")
+    if g.attention not in TRAIN_ATTENTION_IMPLS:
+        fail("grpo.attention", f"unknown implementation {g.attention!r}", f"use one of {TRAIN_ATTENTION_IMPLS}")
     if g.num_iterations < 1:
         fail("grpo.num_iterations", "must be at least 1", "set 1 (the reference)")
     at_least("grpo.micro_batch_size", 1, "set a positive divisor of prompts_per_step * num_generations")

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from corl_jax import arithmetic, zoo
 from corl_jax.optim import make_optimizer
-from corl_jax.tokenization import bucket_length, build_prompt_text, chat_prompt
+from corl_jax.tokenization import bucket_length, build_prompt_text, chat_prompt, stop_token_ids
 
 RECORD_FILE = "demo_base.json"
 
@@ -280,7 +280,7 @@ def sample_texts(directory, problems, *, temperature: float, num_samples: int, m
     from corl_jax.sampling.text import generate_texts
 
     policy = from_pretrained(directory, dtype=jnp.float32)
-    sampler = Sampler.from_policy(policy)
+    sampler = Sampler.from_policy(policy, stop_ids=stop_token_ids(policy.tokenizer, directory))
     params = SamplingParams(greedy=True) if temperature == 0 else SamplingParams(temperature=temperature)
     texts = []
     for start in range(0, len(problems), batch_prompts):

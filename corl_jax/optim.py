@@ -3,13 +3,12 @@
 Matches the reference's HF Trainer settings (co_rl_reference.md §1.11, §2.2): AdamW
 (0.9, 0.95, 1e-8, weight decay 0), clip 1.0, linear warmup over ceil(0.03 * total) steps
 from 0, then a half cosine from the peak to ``min_lr_rate * peak``. Parameters and optimiser
-state stay fp32 ("master weights"); ``with_compute_dtype`` runs the loss in bf16.
+state stay fp32 ("master weights").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,7 +24,8 @@ def num_warmup_steps(total_steps: int, warmup_ratio: float) -> int:
 def make_schedule(
     peak_lr: float, total_steps: int, *, warmup_ratio: float = 0.03, min_lr_rate: float = 0.1
 ) -> optax.Schedule:
-    """HF ``get_cosine_with_min_lr_schedule_with_warmup`` (num_cycles 0.5) as an optax schedule.
+    """HF ``get_cosine_with_min_lr_schedule_with_warmup`` (num_cycles 0.5) as optax's own
+    ``warmup_cosine_decay_schedule``.
 
     ``schedule(step)`` is the learning rate of the update with 0-based index ``step`` (optax's
     count; HF's LambdaLR at the same step): step 0 of a warmup uses lr 0, warmup is
@@ -38,16 +38,9 @@ def make_schedule(
     if not (0.0 <= warmup_ratio < 1.0 and 0.0 <= min_lr_rate <= 1.0):
         raise ValueError(f"need 0 <= warmup_ratio < 1 and 0 <= min_lr_rate <= 1; got {warmup_ratio}, {min_lr_rate}")
     warmup = num_warmup_steps(total_steps, warmup_ratio)
-    decay_steps = max(1, total_steps - warmup)
-
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        ramp = step / max(1, warmup)
-        progress = jnp.minimum((step - warmup) / decay_steps, 1.0)
-        cosine = min_lr_rate + (1.0 - min_lr_rate) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-        return peak_lr * jnp.maximum(jnp.where(step < warmup, ramp, cosine), 0.0)
-
-    return schedule
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=peak_lr, warmup_steps=warmup, decay_steps=warmup + max(1, total_steps - warmup),
+        end_value=min_lr_rate * peak_lr)
 
 
 def _is_matrix(params: Any) -> Any:
@@ -93,20 +86,3 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh=No
     array committed (as ``update`` returns them, so its second step reuses the first step's compilation)."""
     return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params, mesh))(params)
 
-
-def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
-    """Cast the floating-point leaves of a pytree to ``dtype`` (integer leaves untouched)."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-def with_compute_dtype(loss_fn: Callable[..., Any], dtype: jnp.dtype = jnp.bfloat16) -> Callable[..., Any]:
-    """Wrap ``loss_fn(params, *args)`` to run on params cast to ``dtype``.
-
-    Differentiating the wrapper w.r.t. fp32 master params yields fp32 gradients (the cast's
-    transpose casts back), so the optimiser state and update stay fp32.
-    """
-
-    def wrapped(params, *args, **kwargs):
-        return loss_fn(cast_floating(params, dtype), *args, **kwargs)
-
-    return wrapped

@@ -34,19 +34,40 @@ def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with config-override errors turned into one readable line."""
     try:
         argv = flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:  # ml_collections: override of a key (or section) the config lacks
+    except (AttributeError, KeyError, flags.Error) as e:
+        message = _unknown_override(argv)
+        if message:
+            _exit_usage(message)
+        if isinstance(e, flags.Error):  # a config file that raised: its traceback's last line names the problem
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            _exit_usage(f"{lines[0].split(':')[0]}: {lines[-1]}" if lines else type(e).__name__)
         detail = e.args[0].args[0] if e.args and isinstance(e.args[0], KeyError) else str(e.args[0] if e.args else e)
-        detail = " ".join(str(detail).split())
-        _exit_usage(f"a --config.* override names a key the config does not have: {detail}. Fix: correct the "
-                    "key; the valid keys are those of the config file")
-    except flags.Error as e:  # a config file that raised: its traceback's last line names the problem
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        _exit_usage(f"{lines[0].split(':')[0]}: {lines[-1]}" if lines else type(e).__name__)
+        _exit_usage(f"a --config.* override could not be applied: {' '.join(str(detail).split())}")
     path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":")[0] if flags.FLAGS["config"].present \
         else None
     if path is not None and not os.path.isfile(path):
         _exit_usage(f"config file {path} does not exist. Fix: pass --config=configs/<name>.py[:variant]")
     return argv
+
+
+def _unknown_override(argv: list[str]) -> str | None:
+    """The error for the first `--config.<key>` override in `argv` that names no key of the config file's config."""
+    overrides = [arg.lstrip("-").split("=", 1)[0] for arg in argv[1:]]
+    overrides = [name.split(".", 1)[1] for name in overrides if name.startswith(("config.", "noconfig."))]
+    if not overrides:
+        return None
+    from corl_jax.config import unknown_key_error
+
+    plain = [arg for i, arg in enumerate(argv) if i == 0 or not arg.lstrip("-").startswith(("config.", "noconfig."))]
+    values = flags.FlagValues()  # the config file alone, without the overrides that failed
+    config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=plain)
+    try:
+        values(plain, known_only=True)
+    except (flags.Error, AttributeError, KeyError):  # the file itself fails: the caller reports that
+        return None
+    if values.config is None:
+        return None
+    return next((m for m in (unknown_key_error(values.config, key) for key in overrides) if m), None)
 
 
 def _exit_usage(message: str) -> None:

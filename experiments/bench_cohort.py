@@ -27,10 +27,10 @@ from corl_jax.cohort import Cohort, make_agent
 from corl_jax.config import agent_config, base_config
 from corl_jax.data import PromptBlock
 from corl_jax.models import Decoder, ModelConfig, Policy
+from corl_jax.models.config import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
+from corl_jax.sampling.engine import DECODE_ATTENTION_IMPLS
 from corl_jax.tokenization import build_tokenizer, load_tokenizer
 from corl_jax.zoo import CHAT_STYLE
-from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
-from corl_jax.sampling.engine import ATTENTION_IMPLS as SAMPLER_ATTENTION
 from shapes import SHAPES
 
 
@@ -40,8 +40,8 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--remat", default="dots_no_batch", choices=REMAT_POLICIES)
-    parser.add_argument("--attention", default="auto", choices=ATTENTION_IMPLS)
-    parser.add_argument("--decode-attention", default="auto", choices=SAMPLER_ATTENTION,
+    parser.add_argument("--attention", default="auto", choices=TRAIN_ATTENTION_IMPLS)
+    parser.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTION_IMPLS,
                         help="rollout.decode_attention")
     parser.add_argument("--shapes", type=lambda v: v.split(","),
                         default=["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"])

@@ -25,6 +25,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
+import scipy.stats
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("qwen2", "llama", "qwen3")
@@ -47,13 +48,12 @@ CONDITIONS = {
     "ring3_llama_lr1e-4": ("ring3", ["--config.agents.llama32.learning_rate=1e-4"]),
     "ring3_llama_lr3e-4": ("ring3", ["--config.agents.llama32.learning_rate=3e-4"]),
 }
-T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def mean_ci(values) -> dict:
     """Mean and the half-width of its 95% t-interval (None with fewer than 2 values)."""
     v = np.asarray(values, float)
-    half = float(T_975.get(len(v) - 1, 1.96) * v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None
+    half = float(scipy.stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None
     return dict(mean=round(float(v.mean()), 4), ci95=None if half is None else round(half, 4), n=len(v))
 
 
@@ -229,7 +229,8 @@ def main() -> None:
                 payload["runs"].append(future.result())
                 payload["summary"] = aggregate(payload["runs"])
                 r = payload["runs"][-1]
-                print(json.dumps({k: r.get(k) for k in ("condition", "seed", "seconds", "agents", "error")}), flush=True)
+                keys = ("condition", "seed", "seconds", "agents", "error")
+                print(json.dumps({k: r.get(k) for k in keys}), flush=True)
                 save()
     payload["not_run"] = [f"{c}-s{s}" for c, s in jobs]
     payload["plots"] = plot(payload, out) if payload["summary"] else []

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from corl_jax.checkpointing import CheckpointError, Checkpointer, NonFiniteStateError, Snapshot
+from corl_jax.checkpointing import Checkpointer, CheckpointError, NonFiniteStateError, Snapshot
 from corl_jax.data import Problem, PromptStream
 
 
@@ -47,12 +47,12 @@ def test_round_trip_is_exact(tmp_path):
     rng = {"qwen": jax.random.split(jax.random.key(1))[1], "legacy": jax.random.PRNGKey(9),
            "rbg": jax.random.key(2, impl="rbg")}
     with Checkpointer(str(tmp_path), keep_last=2) as checkpointer:
-        assert checkpointer.restore_latest(abstract(state)) is None
+        assert checkpointer.latest_step() is None
         checkpointer.save(Snapshot(step=7, state=state, data_state=stream.get_state(), rng=rng,
                                    metadata={"config_hash": "abc"}, metric=0.25))
         checkpointer.wait()
     with Checkpointer(str(tmp_path), keep_last=2) as checkpointer:  # a fresh process's view of the workdir
-        restored = checkpointer.restore_latest(abstract(state))
+        restored = checkpointer.restore(state_target=abstract(state))
     assert restored.step == 7 and restored.metric == 0.25 and restored.metadata == {"config_hash": "abc"}
     assert jax.tree.structure(restored.state) == jax.tree.structure(state)
     jax.tree.map(np.testing.assert_array_equal, restored.state, state)
@@ -134,7 +134,7 @@ def test_damaged_checkpoint_is_reported_and_never_deleted(tmp_path):
         f.write("{truncated")
     with Checkpointer(str(tmp_path), keep_last=3) as checkpointer:
         with pytest.raises(CheckpointError) as error:
-            checkpointer.restore_latest()
+            checkpointer.restore()
         message = str(error.value)
         assert damaged in message and "JSONDecodeError" in message and "\n" not in message
         assert "restart=True" in message and "fallback_to_previous=True" in message

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from config_files import load_config
 from corl_jax import workdir as run_dir
 from corl_jax.checkpointing import Checkpointer
 from corl_jax.cohort import Cohort, check_prompt_lengths, load_agents
@@ -26,8 +27,6 @@ from corl_jax.config import ConfigError, validate
 from corl_jax.data import load_problems
 from corl_jax.train import run
 from corl_jax.zoo import resolve_model_path
-
-from config_files import load_config
 from test_train import REPO, final_state
 
 STEPS = 4
@@ -191,7 +190,7 @@ def test_cli_input_errors_are_one_line_and_exit_2(tmp_path):
     a_file.write_text("")
     cases = [("--config=configs/nosuch.py", "config file configs/nosuch.py does not exist"),
              ("--config=configs/ttrl.py:huge", "unknown config variant 'huge'"),
-             ("--config=configs/ttrl.py:tiny --config.nosection.x=1", "does not have: 'nosection'"),
+             ("--config=configs/ttrl.py:tiny --config.nosection.x=1", "config.nosection is not a key of this config"),
              (f"--config=configs/ttrl.py:tiny --workdir={a_file}", "is a file, not a directory")]
     for args, message in cases:
         cmd = [sys.executable, "-m", "corl_jax.train", f"--workdir={tmp_path / 'run'}", *args.split()]

@@ -272,21 +272,6 @@ def test_logical_to_spec_replicates_indivisible_dims():
     assert spec(("batch", None), (4, 7)) == P(("data", "fsdp"), None)
     assert spec(("batch", None), (2, 7)) == P("data", None)
     assert spec(("heads", "kv_heads"), (4, 4)) == P("tensor", None)  # a mesh axis is used once
-    data_parallel = partial(spec, rules=sharding.DATA_PARALLEL_RULES)
-    assert data_parallel(("vocab", "embed"), (272, 64)) == P(None, None)
-    assert data_parallel(("batch", None), (8, 7)) == P(("data", "fsdp", "tensor"), None)
-
-
-def test_shard_model_moves_random_init_onto_mesh_without_changing_logits():
-    config = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
-    model = models.Decoder(config, rngs=nnx.Rngs(0))
-    ids, mask = left_padded_batch([8, 5, 3, 8], 8, vocab=64)
-    positions = models.positions_from_mask(jnp.asarray(mask))
-    before = model.logits(model(ids, positions, mask))
-    sharding.shard_model(model, sharding.make_mesh(data=2, fsdp=2, tensor=2))
-    assert model.layers["gate_proj"][...].sharding.spec == P(None, "fsdp", "tensor")
-    np.testing.assert_allclose(model.logits(model(ids, positions, mask)), before, atol=1e-5)
 
 
 def test_sharded_forward_equals_single_device(checkpoint):
@@ -349,7 +334,8 @@ def test_unknown_model_type(broken):
 def test_shape_mismatch_names_tensor(broken):
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
-    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight .* shape \(64, 96\) .* implies \(64, 80\)"):
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight .* shape \(64, 96\) "
+                                         r".* implies \(64, 80\)"):
         models.from_pretrained(broken)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -16,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from config_files import load_config
 from corl_jax import grpo
 from corl_jax.checkpointing import Checkpointer
 from corl_jax.config import validate
 from corl_jax.loop import train
-
-from config_files import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ["ring3", "pair_same_family", "pair_different_family", "different_family_plus", "ttrl", "gt_reward",
@@ -147,8 +147,28 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 def test_unknown_config_key_is_named(tmp_path):
     proc = _cli(tmp_path, "--config.rollout.num_generationz=4")
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0
-    assert "num_generationz" in out and "num_generations" in out and "Traceback" not in out
+    assert proc.returncode == 2
+    assert out.startswith("error: config.rollout.num_generationz is not a key of this config (did you mean "
+                          "config.rollout.num_generations?). Fix: use a key of config.rollout: ")
+    assert "top_p" in out and "corl_jax/config.py" in out and len(out.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("key, message", [
+    ("rollout.top_p", None),
+    ("agents.llama32.family", None),
+    ("rollout.topp", r"config\.rollout\.topp is not a key .*\(did you mean config\.rollout\.top_p or "
+                     r"config\.rollout\.top_k\?\)\. Fix: use a key of config\.rollout: .*min_p.*; "
+                     r"base_config\(\) in corl_jax/config\.py"),
+    ("agents.llama3.family", r"config\.agents\.llama3 is not .*did you mean config\.agents\.llama32\?.*"
+                             r"config\.agents: qwen25, llama32, qwen3;"),
+    ("nosection.x", r"^config\.nosection is not a key of this config\. Fix: use a key of config: agents, code,"),
+    ("seed.x", r"config\.seed is a value, not a section.*override config\.seed itself"),
+])
+def test_unknown_override_key_names_nearest_and_valid_keys(key, message):
+    from corl_jax.config import unknown_key_error
+
+    error = unknown_key_error(load_config("ring3"), key)
+    assert error is None if message is None else re.search(message, error), error
 
 
 @pytest.mark.parametrize("override, message", [

@@ -27,7 +27,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # (jax.nn.dot_product_attention's fused cuDNN kernel; NVIDIA GPUs, bf16/fp16 compute, head_dim a multiple of 8 up
 # to 128), "splash" (Pallas' TPU splash-attention kernel, models/splash_attention.py) or "auto" (see
 # `attention_impl`).
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+TRAIN_ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 
 
 def attention_impl(requested: str, platform: str, dtype, head_dim: int) -> str:
@@ -98,8 +98,8 @@ class ModelConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention={self.attention!r}; choose one of {ATTENTION_IMPLS}")
+        if self.attention not in TRAIN_ATTENTION_IMPLS:
+            raise ValueError(f"attention={self.attention!r}; choose one of {TRAIN_ATTENTION_IMPLS}")
         # Canonical numpy dtypes keep the config hashable and comparable.
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))

@@ -30,8 +30,6 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("norm", ()),
     ("cache_seq", ()),
 )
-# Pure data parallelism: parameters replicated, batch split over every mesh axis.
-DATA_PARALLEL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (("batch", MESH_AXES),)
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -79,12 +77,6 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
     """NamedShardings with the structure of an nnx State (concrete or abstract)."""
     return jax.tree.map(lambda v: variable_sharding(v, mesh, rules), state,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> None:
-    """Move a model's parameters onto `mesh` in place, per the rules."""
-    state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
 
 
 def batch_sharding(shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:

@@ -43,7 +43,7 @@ from corl_jax.sampling.controls import SamplingParams, sample_tokens
 
 log = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "pallas", "xla")
+DECODE_ATTENTION_IMPLS = ("auto", "pallas", "xla")
 CACHE_BLOCK = 64  # cache slots are allocated in multiples of the kernel's block
 # XLA options of the sampler's programs on GPUs unless the caller gives its own: the whole decode loop as one CUDA
 # graph (command buffers with WHILE/CONDITIONAL) and cuBLAS for every matmul (instead of Triton split-K GEMMs for
@@ -144,8 +144,8 @@ class Sampler:
         if compiler_options is None:
             compiler_options = GPU_COMPILER_OPTIONS if self.platform == "gpu" else {}
         self.compiler_options = dict(compiler_options)
-        if attention not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown decode attention {attention!r}; use one of {ATTENTION_IMPLS}")
+        if attention not in DECODE_ATTENTION_IMPLS:
+            raise ValueError(f"unknown decode attention {attention!r}; use one of {DECODE_ATTENTION_IMPLS}")
         if attention == "auto":  # (an explicit "pallas" with a head_dim the kernel cannot tile fails in the kernel)
             fits = self.platform in ("gpu", "tpu") and supports_head_dim(model.config.head_dim, self.platform)
             attention = "pallas" if fits else "xla"
@@ -154,13 +154,11 @@ class Sampler:
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
     @classmethod
-    def from_policy(cls, policy, *, stop_ids: Sequence[int] | None = None, buckets: Buckets = Buckets(),
+    def from_policy(cls, policy, *, stop_ids: Sequence[int], buckets: Buckets = Buckets(),
                     attention: str = "auto") -> "Sampler":
-        """A sampler for a loaded `corl_jax.models.Policy` (stop ids from its checkpoint by default)."""
-        tokenizer = policy.tokenizer
-        if stop_ids is None:
-            stop_ids = _policy_stop_ids(policy)
-        return cls(policy.model, stop_ids=stop_ids, pad_id=tokenizer.pad_token_id, mesh=policy.mesh,
+        """A sampler for a loaded `corl_jax.models.Policy` (its mesh, rules and pad id); `stop_ids` as for
+        `Sampler`, usually `tokenization.stop_token_ids(policy.tokenizer, checkpoint_dir)`."""
+        return cls(policy.model, stop_ids=stop_ids, pad_id=policy.tokenizer.pad_token_id, mesh=policy.mesh,
                    rules=policy.rules, buckets=buckets, attention=attention)
 
     def generate(self, prompt_ids, prompt_mask, *, num_samples: int, max_new_tokens: int,
@@ -323,16 +321,3 @@ def _check_prompts(ids: np.ndarray, mask: np.ndarray, vocab: int) -> None:
     real = ids[mask]
     if real.size and (real.min() < 0 or real.max() >= vocab):
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got range [{real.min()}, {real.max()}]")
-
-
-def _policy_stop_ids(policy) -> tuple[int, ...]:
-    """Stop ids of a policy: generation_config's eos ids plus the tokenizer's eos."""
-    ids = set()
-    eos = policy.generation_config.get("eos_token_id", policy.config.eos_token_id)
-    ids.update([eos] if isinstance(eos, int) else (eos or ()))
-    if policy.tokenizer.eos_token_id is not None:
-        ids.add(policy.tokenizer.eos_token_id)
-    if not ids:
-        raise ValueError("the policy has no stop token (no eos_token_id in generation_config.json/config.json "
-                         "and no tokenizer eos); pass stop_ids explicitly")
-    return tuple(sorted(ids))
