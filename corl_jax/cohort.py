@@ -276,24 +276,27 @@ def completion_widths(attention: np.ndarray, prompt_len: int) -> np.ndarray:
     return np.where(completion.any(axis=1), last, 0)
 
 
-def bucket_plan(widths: np.ndarray, num_micro: int, bucket: int, max_width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows sorted by completion width into `num_micro` micro-batches [num_micro, rows], and each micro-batch's
-    width: its longest row rounded up to `bucket` columns (at most `max_width`); `bucket` 0: batch order, full width."""
+def bucket_plan(prompt_tokens: np.ndarray, widths: np.ndarray, num_micro: int, bucket: int, prompt_len: int,
+                max_width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows sorted by completion width into `num_micro` micro-batches (row indices [num_micro, rows]), with each
+    micro-batch's prompt and completion widths: its longest prompt / completion rounded up to `bucket` tokens (at
+    most `prompt_len` / `max_width`). `bucket` 0: batch order at the full widths."""
     if bucket == 0:
-        return np.arange(len(widths)).reshape(num_micro, -1), np.full(num_micro, max_width)
+        return (np.arange(len(widths)).reshape(num_micro, -1), np.full(num_micro, prompt_len),
+                np.full(num_micro, max_width))
     order = np.argsort(widths, kind="stable").reshape(num_micro, -1)
-    rounded = -(-widths[order].max(axis=1) // bucket) * bucket
-    return order, np.minimum(np.maximum(rounded, bucket), max_width)
+    rounded = lambda x, cap: np.minimum(np.maximum(-(-x.max(axis=1) // bucket) * bucket, bucket), cap)
+    return order, rounded(prompt_tokens[order], prompt_len), rounded(widths[order], max_width)
 
 
-def padded_flops_fraction(model_config, prompt_len: int, prompt_tokens: np.ndarray, widths: np.ndarray,
-                          plan: tuple[np.ndarray, np.ndarray]) -> float:
-    """Share of the update's FLOPs (`ModelConfig.train_flops`) spent on padding: 1 - real / executed, with rows
-    of `prompt_tokens` + `widths` real tokens run as micro-batches of the plan's widths after `prompt_len`
-    prompt columns."""
-    order, micro_widths = plan
-    executed = sum(order.shape[1] * model_config.train_flops(prompt_len + int(w), int(w)) for w in micro_widths)
-    real = sum(model_config.train_flops(int(p) + int(w), int(w)) for p, w in zip(prompt_tokens, widths))
+def padded_flops_fraction(model_config, prompt_tokens: np.ndarray, widths: np.ndarray,
+                          plan: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:
+    """Share of the update's FLOPs (`ModelConfig.train_flops`) spent on padding, 1 - real / executed: rows of
+    `prompt_tokens` + `widths` real tokens, run as the plan's micro-batches at their prompt + completion widths."""
+    order, prompt_widths, micro_widths = plan
+    executed = sum(order.shape[1] * model_config.train_flops(int(p + w), int(w))
+                   for p, w in zip(prompt_widths, micro_widths))
+    real = sum(model_config.train_flops(int(p + w), int(w)) for p, w in zip(prompt_tokens, widths))
     return 1.0 - real / executed
 
 
@@ -314,20 +317,22 @@ def bucketed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSett
     num_rows, max_width = batch["completion_mask"].shape
     prompt_len = batch["tokens"].shape[1] - max_width
     batch = dict(batch, row_weights=_row_weights(batch["completion_mask"], s))
-    widths = completion_widths(jax.device_get(batch["attention"]), prompt_len)
-    order, micro_widths = bucket_plan(widths, s.num_micro, bucket, max_width)
+    attention = jax.device_get(batch["attention"])
+    widths = completion_widths(attention, prompt_len)
+    order, prompt_widths, micro_widths = bucket_plan(attention[:, :prompt_len].sum(axis=1), widths, s.num_micro,
+                                                     bucket, prompt_len, max_width)
     grads = jax.tree.map(jnp.zeros_like, params)
     loss, rows = jnp.zeros((), jnp.float32), []
 
-    def trim(key, x, idx, width):
+    def trim(key, x, idx, prompt_width, width):
         x = x[idx]
-        if key in ("tokens", "attention"):
-            return x[:, :prompt_len + width]
+        if key in ("tokens", "attention"):  # left-padded prompts: drop leading columns that no row attends
+            return x[:, prompt_len - prompt_width:prompt_len + width]
         return x[:, :width] if x.ndim == 2 else x
 
-    for idx, width in zip(order, micro_widths):
-        micro = {k: trim(k, v, idx, int(width)) for k, v in batch.items()}
-        grads, loss, micro_rows = _accumulate(graphdef, params, grads, loss, micro, prompt_len, s)
+    for idx, prompt_width, width in zip(order, prompt_widths.tolist(), micro_widths.tolist()):
+        micro = {k: trim(k, v, idx, prompt_width, width) for k, v in batch.items()}
+        grads, loss, micro_rows = _accumulate(graphdef, params, grads, loss, micro, prompt_width, s)
         rows.append(micro_rows)
     inverse = np.argsort(order.reshape(-1))
     rows = jax.tree.map(lambda *xs: jnp.concatenate(xs)[inverse], *rows)
@@ -481,10 +486,11 @@ class Cohort:
         c = rollouts.completions
         metrics, correction, lengths, truncated = multihost.to_host((metrics, correction, c.lengths, c.truncated))
         attention = multihost.to_host(batch["attention"])
-        widths = completion_widths(attention, prompt_len)
+        prompt_tokens, widths = attention[:, :prompt_len].sum(axis=1), completion_widths(attention, prompt_len)
         metrics["update/padded_flops_fraction"] = padded_flops_fraction(
-            agent.policy.config, prompt_len, attention[:, :prompt_len].sum(axis=1), widths,
-            bucket_plan(widths, self.settings.num_micro, g.length_bucket, attention.shape[1] - prompt_len))
+            agent.policy.config, prompt_tokens, widths, bucket_plan(
+                prompt_tokens, widths, self.settings.num_micro, g.length_bucket, prompt_len,
+                attention.shape[1] - prompt_len))
         terminated = lengths[~truncated] if (~truncated).any() else np.zeros(1, lengths.dtype)
         agent.tokens_seen += int(rollouts.prompt_mask.sum()) * r.num_generations + int(lengths.sum())
         first_update = (step - 1) * g.num_iterations
