@@ -240,6 +240,32 @@ def score_completions(graphdef, params, tokens, attention, prompt_len: int, s: U
     return tuple(o.reshape(tokens.shape[0], -1) for o in outs)
 
 
+def _loss_fn(graphdef, s: UpdateSettings, prompt_len: int, params, micro):
+    logp, entropy, _ = _completion_logprobs(graphdef, params, micro["tokens"], micro["attention"], prompt_len, s)
+    return grpo.grpo_loss(
+        logp, micro.get("old_logp"), micro["advantages"], micro["completion_mask"], loss_type=s.loss_type,
+        eps_low=s.eps_low, eps_high=s.eps_high, beta=s.beta, ref_logp=micro.get("ref_logp"),
+        is_ratio=micro.get("is_ratio"), entropy=entropy, row_weights=micro["row_weights"])
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _row_weights(completion_mask, s: UpdateSettings):
+    """The reference's per-row loss weights of a step's rows in reference micro-batch order (`grpo.loss_row_weights`)."""
+    return grpo.loss_row_weights(completion_mask, loss_type=s.loss_type, group_size=s.group_size,
+                                 max_completion_length=s.max_completion_length or completion_mask.shape[1])
+
+
+def _apply(optimizer, params, opt_state, grads, loss, rows, s: UpdateSettings):
+    metrics = grpo.loss_metrics(rows, s.group_size)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
+    return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(2, 3))
 def update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings):
     """One optimiser step on a batch of completions with exact gradient accumulation over micro-batches.
@@ -249,28 +275,80 @@ def update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings):
     c == 1), `is_ratio` (sampler importance weights), `ref_logp` (KL, beta > 0).
     A non-finite loss or gradient leaves parameters and optimiser state unchanged (`metrics["skipped"]` = 1)."""
     prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
-    num_items = jnp.sum(batch["completion_mask"])
+    batch = dict(batch, row_weights=_row_weights(batch["completion_mask"], s))
+    loss_and_grad = jax.value_and_grad(functools.partial(_loss_fn, graphdef, s, prompt_len), has_aux=True)
+    (loss, rows), grads = grpo.accumulate_grads(loss_and_grad, params, batch, s.num_micro)
+    return _apply(optimizer, params, opt_state, grads, loss, rows, s)
 
-    def loss_fn(p, micro):
-        logp, entropy, _ = _completion_logprobs(graphdef, p, micro["tokens"], micro["attention"], prompt_len, s)
-        return grpo.grpo_loss(
-            logp, micro.get("old_logp"), micro["advantages"], micro["completion_mask"], loss_type=s.loss_type,
-            eps_low=s.eps_low, eps_high=s.eps_high, beta=s.beta, ref_logp=micro.get("ref_logp"),
-            is_ratio=micro.get("is_ratio"),
-            max_completion_length=s.max_completion_length or micro["completion_mask"].shape[1],
-            num_items_in_batch=num_items, total_rows=batch["tokens"].shape[0], group_size=s.group_size,
-            entropy=entropy)
 
-    (loss, rows), grads = grpo.accumulate_grads(jax.value_and_grad(loss_fn, has_aux=True), params, batch,
-                                                s.num_micro)
-    metrics = grpo.loss_metrics(rows, s.group_size)
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
-    return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+def completion_widths(attention: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Per row, the completion columns up to its last attended token (host [N, Tp + Tc] attention)."""
+    completion = np.asarray(attention)[:, prompt_len:]
+    last = completion.shape[1] - np.argmax(completion[:, ::-1], axis=1)
+    return np.where(completion.any(axis=1), last, 0)
+
+
+def bucket_plan(prompt_tokens: np.ndarray, widths: np.ndarray, num_micro: int, bucket: int, prompt_len: int,
+                max_width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows sorted by completion width into `num_micro` micro-batches (row indices [num_micro, rows]), with each
+    micro-batch's prompt and completion widths: its longest prompt / completion rounded up to `bucket` tokens (at
+    most `prompt_len` / `max_width`). `bucket` 0: batch order at the full widths."""
+    if bucket == 0:
+        return (np.arange(len(widths)).reshape(num_micro, -1), np.full(num_micro, prompt_len),
+                np.full(num_micro, max_width))
+    order = np.argsort(widths, kind="stable").reshape(num_micro, -1)
+    rounded = lambda x, cap: np.minimum(np.maximum(-(-x.max(axis=1) // bucket) * bucket, bucket), cap)
+    return order, rounded(prompt_tokens[order], prompt_len), rounded(widths[order], max_width)
+
+
+def padded_flops_fraction(model_config, prompt_tokens: np.ndarray, widths: np.ndarray,
+                          plan: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:
+    """Share of the update's FLOPs (`ModelConfig.train_flops`) spent on padding, 1 - real / executed: rows of
+    `prompt_tokens` + `widths` real tokens, run as the plan's micro-batches at their prompt + completion widths."""
+    order, prompt_widths, micro_widths = plan
+    executed = sum(order.shape[1] * model_config.train_flops(int(p + w), int(w))
+                   for p, w in zip(prompt_widths, micro_widths))
+    real = sum(model_config.train_flops(int(p + w), int(w)) for p, w in zip(prompt_tokens, widths))
+    return 1.0 - real / executed
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2, 3))
+def _accumulate(graphdef, params, grad_sum, loss_sum, micro, prompt_len: int, s: UpdateSettings):
+    loss_and_grad = jax.value_and_grad(functools.partial(_loss_fn, graphdef, s, prompt_len), has_aux=True)
+    (loss, rows), grads = loss_and_grad(params, micro)
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads), loss_sum + loss, rows
+
+
+_apply_jit = jax.jit(_apply, static_argnums=(0, 6), donate_argnums=(1, 2))
+
+
+def bucketed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings, bucket: int):
+    """`update` with micro-batches of rows sorted by completion length, each trimmed to its longest row rounded up
+    to `bucket` columns (one compiled program per width). The row weights are computed in the batch's (reference)
+    order before sorting, so loss and gradient equal `update`'s up to float summation order; metrics likewise."""
+    num_rows, max_width = batch["completion_mask"].shape
+    prompt_len = batch["tokens"].shape[1] - max_width
+    batch = dict(batch, row_weights=_row_weights(batch["completion_mask"], s))
+    attention = jax.device_get(batch["attention"])
+    widths = completion_widths(attention, prompt_len)
+    order, prompt_widths, micro_widths = bucket_plan(attention[:, :prompt_len].sum(axis=1), widths, s.num_micro,
+                                                     bucket, prompt_len, max_width)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    loss, rows = jnp.zeros((), jnp.float32), []
+
+    def trim(key, x, idx, prompt_width, width):
+        x = x[idx]
+        if key in ("tokens", "attention"):  # left-padded prompts: drop leading columns that no row attends
+            return x[:, prompt_len - prompt_width:prompt_len + width]
+        return x[:, :width] if x.ndim == 2 else x
+
+    for idx, prompt_width, width in zip(order, prompt_widths.tolist(), micro_widths.tolist()):
+        micro = {k: trim(k, v, idx, prompt_width, width) for k, v in batch.items()}
+        grads, loss, micro_rows = _accumulate(graphdef, params, grads, loss, micro, prompt_width, s)
+        rows.append(micro_rows)
+    inverse = np.argsort(order.reshape(-1))
+    rows = jax.tree.map(lambda *xs: jnp.concatenate(xs)[inverse], *rows)
+    return _apply_jit(optimizer, params, opt_state, grads, loss, rows, s)
 
 
 # --------------------------------------------------------------------------------------------- one step
@@ -410,13 +488,24 @@ class Cohort:
                                       batch["attention"], prompt_len, self.settings)[0]
         shardings = jax.tree.map(lambda x: x.sharding, (agent.params, agent.opt_state))
         for _ in range(g.num_iterations):
-            params, opt_state, metrics = train(agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch,
-                                               self.settings)
+            if g.length_bucket:
+                params, opt_state, metrics = _on_mesh(bucketed_update, agent.mesh)(
+                    agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch, self.settings,
+                    g.length_bucket)
+            else:
+                params, opt_state, metrics = train(agent.graphdef, agent.optimizer, agent.params, agent.opt_state,
+                                                   batch, self.settings)
             # back on the input's (equivalent) shardings, so that every step reuses one compiled `update` (and the
             # sampler's programs and a restore target find the loaded layout)
             agent.params, agent.opt_state = jax.device_put((params, opt_state), shardings)
         c = rollouts.completions
         metrics, correction, lengths, truncated = multihost.to_host((metrics, correction, c.lengths, c.truncated))
+        attention = multihost.to_host(batch["attention"])
+        prompt_tokens, widths = attention[:, :prompt_len].sum(axis=1), completion_widths(attention, prompt_len)
+        metrics["update/padded_flops_fraction"] = padded_flops_fraction(
+            agent.policy.config, prompt_tokens, widths, bucket_plan(
+                prompt_tokens, widths, self.settings.num_micro, g.length_bucket, prompt_len,
+                attention.shape[1] - prompt_len))
         terminated = lengths[~truncated] if (~truncated).any() else np.zeros(1, lengths.dtype)
         agent.tokens_seen += int(rollouts.prompt_mask.sum()) * r.num_generations + int(lengths.sum())
         first_update = (step - 1) * g.num_iterations

@@ -96,6 +96,9 @@ def base_config() -> ml_collections.ConfigDict:
             "importance_sampling_correction": True,
             "importance_sampling_cap": 3.0,
             "mask_truncated_completions": False,
+            # update micro-batches of length-sorted rows, trimmed to their longest row rounded up to this many
+            # tokens (one compiled program per width; the loss is unchanged); 0: the padded full width
+            "length_bucket": 128,
             "logprob_chunk_size": 128,  # positions per chunk of the log-prob pass (peak ≈ micro_batch·chunk·V fp32)
             "remat": "full",            # rematerialisation policy: none / full / dots / dots_no_batch
             "attention": "auto",        # full-sequence attention: auto (splash on TPUs, cudnn on GPUs) / xla / cudnn / splash
@@ -251,6 +254,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if g.num_iterations < 1:
         fail("grpo.num_iterations", "must be at least 1", "set 1 (the reference)")
     at_least("grpo.micro_batch_size", 1, "set a positive divisor of prompts_per_step * num_generations")
+    if g.length_bucket < 0:
+        fail("grpo.length_bucket", f"{g.length_bucket} is negative", "set 0 (off) or a token count such as 128")
     at_least("grpo.logprob_chunk_size", 1, "set a positive number of positions (e.g. 128)")
     if g.eps_low < 0 or g.eps_high < 0 or g.beta < 0:
         fail("grpo.eps_low/eps_high/beta", "negative", "use non-negative clipping ranges and KL coefficient")

@@ -206,6 +206,7 @@ def grpo_loss(
     total_rows: int | None = None,
     group_size: int | None = None,
     entropy: jax.Array | None = None,
+    row_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped GRPO surrogate of one micro-batch of B rows, as the reference's TRL aggregates it.
 
@@ -220,7 +221,9 @@ def grpo_loss(
       dapo:    sum m l / num_items_in_batch (mask tokens of the whole accumulated batch)
     i.e. TRL's loss of a micro-batch of ``group_size`` rows divided by its accumulation steps
     N / group_size; summed over micro-batches (``accumulate_grads``) it is the reference's step loss
-    whatever size the micro-batches have, as long as they hold whole groups.
+    whatever size the micro-batches have, as long as they hold whole groups. ``row_weights`` [B] (from
+    ``loss_row_weights`` of the whole batch) replaces this aggregation by sum_rows w * sum_t m l: the same step
+    loss for micro-batches of any rows, in any order and of any trimmed width.
 
     Returns (float32 loss, row sums): per row [B], the masked token sums ``tokens`` (sum m),
     ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region`` (TRL: c below 1 - eps_low with
@@ -229,7 +232,9 @@ def grpo_loss(
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {loss_type!r}")
-    if loss_type == "dr_grpo" and max_completion_length is None:
+    if row_weights is not None:
+        loss_type = "weighted"
+    elif loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("loss_type='dr_grpo' needs max_completion_length")
     if loss_type == "dapo" and num_items_in_batch is None:
         raise ValueError("loss_type='dapo' needs num_items_in_batch (mask tokens of the accumulated batch)")
@@ -267,7 +272,9 @@ def grpo_loss(
         rows["entropy"] = per_row(entropy)
 
     token_sums = per_row(per_token)
-    if loss_type == "grpo":
+    if loss_type == "weighted":
+        loss = jnp.sum(token_sums * row_weights.astype(jnp.float32))
+    elif loss_type == "grpo":
         loss = jnp.sum(token_sums / jnp.maximum(rows["tokens"], 1.0)) / total_rows
     elif loss_type == "bnpo":
         groups = lambda x: x.reshape(-1, group_size).sum(axis=1)
@@ -277,6 +284,35 @@ def grpo_loss(
     else:  # dapo
         loss = jnp.sum(token_sums) / jnp.maximum(jnp.asarray(num_items_in_batch, jnp.float32), 1.0)
     return loss.astype(jnp.float32), jax.lax.stop_gradient(rows)
+
+
+def loss_row_weights(
+    mask: jax.Array,
+    *,
+    loss_type: str,
+    group_size: int,
+    max_completion_length: int,
+) -> jax.Array:
+    """Per-row weights w [N] of a whole step's loss mask [N, Tc] (rows in reference micro-batch order) such that
+    the step loss of ``grpo_loss`` is sum_rows w * sum_t m l for every loss type:
+      grpo: 1 / (N max(1, sum_t m)); bnpo: 1 / ((N / group_size) max(1, sum m of the row's group of
+      ``group_size`` consecutive rows)); dr_grpo: 1 / (N max_completion_length); dapo: 1 / max(1, sum m).
+    The weights fix which rows are normalised together, so the rows may then be regrouped or reordered freely.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {loss_type!r}")
+    rows = mask.shape[0]
+    if rows % group_size:
+        raise ValueError(f"group_size={group_size} must divide the batch ({rows} rows)")
+    tokens = jnp.sum(mask.astype(jnp.float32), axis=1)
+    if loss_type == "grpo":
+        return 1.0 / (rows * jnp.maximum(tokens, 1.0))
+    if loss_type == "bnpo":
+        group_tokens = jnp.repeat(tokens.reshape(-1, group_size).sum(axis=1), group_size)
+        return 1.0 / ((rows // group_size) * jnp.maximum(group_tokens, 1.0))
+    if loss_type == "dr_grpo":
+        return jnp.full((rows,), 1.0 / (rows * max_completion_length), jnp.float32)
+    return jnp.full((rows,), 1.0, jnp.float32) / jnp.maximum(jnp.sum(tokens), 1.0)
 
 
 def loss_metrics(rows: dict[str, jax.Array], group_size: int) -> dict[str, jax.Array]:

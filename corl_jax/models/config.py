@@ -104,6 +104,15 @@ class ModelConfig:
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
+    def train_flops(self, seq_len: int, head_positions: int) -> float:
+        """Matmul FLOPs of one forward + backward (3x forward) of a sequence of `seq_len` tokens whose last
+        `head_positions` go through the unembedding; attention scores and values over the full square."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_token = 2 * self.num_layers * (self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size
+                                           * self.intermediate_size)
+        attention = 4 * self.num_layers * q * seq_len * seq_len
+        return 3.0 * (per_token * seq_len + attention + 2 * self.hidden_size * self.vocab_size * head_positions)
+
     @property
     def train_attention(self) -> str:
         """The full-sequence attention that runs on the default backend (`attention_impl`)."""
