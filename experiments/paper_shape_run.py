@@ -71,6 +71,11 @@ def eval_command(workdir: str, size: str) -> list[str]:
             f"--sampling.max_new_tokens={s['eval_new_tokens']}", f"--out={workdir}/eval"]
 
 
+# bf16 parameters + two bf16 AdamW moments of the 8.3B parameters; a resumed run's new checkpoint is written before
+# keep_last=1 deletes the old one, so the workdir briefly holds two.
+CHECKPOINT_BYTES = {"paper": 8.3e9 * 2 * 3, "tiny": 0}
+
+
 def run_phase(name: str, command: list[str], phases: dict) -> None:
     print(f"[{name}] {' '.join(command)}", flush=True)
     start = time.perf_counter()
@@ -99,6 +104,12 @@ def main(argv=None) -> int:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     shutil.rmtree(args.workdir, ignore_errors=True)
+    Path(args.workdir).mkdir(parents=True)
+    free = shutil.disk_usage(args.workdir).free
+    if free < 2 * CHECKPOINT_BYTES[args.size]:
+        raise SystemExit(f"{args.workdir}: {free / 1e9:.0f} GB free, but the run briefly holds two checkpoints of "
+                         f"{CHECKPOINT_BYTES[args.size] / 1e9:.0f} GB. Fix: a --workdir on a filesystem with "
+                         f"{2 * CHECKPOINT_BYTES[args.size] / 1e9:.0f} GB free (e.g. a 256 GiB-RAM host's /dev/shm)")
     env_note = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")}
     phases: dict = {}
     # build: resolve the random: paths (config.json + tokenizer only) and record the device, in a child process so
@@ -111,14 +122,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"phase build failed:\n{probe.stderr}")
     info = json.loads(probe.stdout.strip().splitlines()[-1])
     phases["build"] = {"wall_s": round(time.perf_counter() - start, 2), "returncode": 0}
-    run_phase("first", train_command(args.workdir, args.size, args.steps), phases)
-    run_phase("resume", train_command(args.workdir, args.size, args.steps + 1), phases)
-    run_phase("eval", eval_command(args.workdir, args.size), phases)
+    partial = {"command": " ".join([sys.executable, *sys.argv]), "size": args.size, **info, "phases": phases}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for name, command in [("first", train_command(args.workdir, args.size, args.steps)),
+                          ("resume", train_command(args.workdir, args.size, args.steps + 1)),
+                          ("eval", eval_command(args.workdir, args.size))]:
+        run_phase(name, command, phases)
+        Path(args.out).write_text(json.dumps(partial, indent=2))  # what is done so far, should a later phase die
 
     steps = [json.loads(line) for line in (Path(args.workdir) / "metrics.jsonl").read_text().splitlines() if line]
-    per_step = [{k: v for k, v in row.items() if k == "step" or k.startswith(("time/", "memory/"))
-                 or k.endswith(("/time/sampling", "/time/rewards", "/time/update", "/completion_length"))}
-                for row in steps if any(k.startswith("time/") for k in row)]
+    per_step = [{k: v for k, v in row.items() if k == "step" or "time/" in k or k.startswith("memory/")
+                 or k.endswith("/completion_length")} for row in steps if "time/step" in row]
     eval_cells = json.loads((Path(args.workdir) / "eval" / "results.json").read_text())
     peak = max((row.get("memory/peak_bytes_in_use", 0) for row in per_step), default=0)
     result = {
@@ -127,14 +141,13 @@ def main(argv=None) -> int:
         "agents": {agent: model_path(agent, args.size) for agent in PAPER},
         "settings": {"param_dtype": "bfloat16 (AdamW moments follow: bfloat16)", **SETTINGS[args.size]},
         "phases": phases,
-        "steps": per_step,
+        "steps": per_step,  # the first step of each invocation (1 and steps+1) includes compilation
         "peak_bytes_in_use": peak or None,
         "peak_gib": round(peak / 2 ** 30, 2) if peak else None,
         "checkpoint_bytes": sum(f.stat().st_size for f in (Path(args.workdir) / "checkpoints").rglob("*")
                                 if f.is_file()),
         "eval": eval_cells,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(json.dumps({k: result[k] for k in ("device", "phases", "peak_gib", "checkpoint_bytes")}, indent=2))
     return 0
