@@ -60,5 +60,6 @@ def test_paper_shape_run_tiny_end_to_end(tmp_path):
     assert [row["step"] for row in result["steps"]] == [1, 2]  # the resume continued at step 2
     assert all("memory/peak_bytes_in_use" not in row for row in result["steps"])  # CPU reports no memory stats
     cells = result["eval"]["cells"]  # base (random init rebuilt from the random: path) and the resumed step 2
-    assert sorted(cells) == sorted(f"{a}@{s}" for a in ("qwen25", "llama32", "qwen3") for s in ("base", "step2"))
+    agents = ("qwen25", "llama32", "qwen3")
+    assert sorted(cells) == sorted(f"{a}@{s}" for a in agents for s in ("base", "step 2 (latest)"))
     assert all(cell["arithmetic"]["problems"] == 4 for cell in cells.values())
