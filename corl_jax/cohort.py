@@ -28,13 +28,14 @@ from flax import nnx
 from corl_jax import grpo, multihost
 from corl_jax.config import ConfigError, topology_of
 from corl_jax.data import DataError, Problem, PromptBlock
-from corl_jax.models import Policy, from_pretrained, positions_from_mask
+from corl_jax.models import Policy, positions_from_mask
 from corl_jax.models.sharding import batch_sharding, make_mesh
 from corl_jax.optim import init_opt_state, make_optimizer, make_schedule
 from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Completions, Sampler
 from corl_jax.tasks import make_task
 from corl_jax.tokenization import decode_completions, encode_prompts, prompt_lengths, stop_token_ids
+from corl_jax.stand_ins import load_policy
 from corl_jax.zoo import resolve_model_paths
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -98,7 +99,7 @@ def load_agents(config: ml_collections.ConfigDict, total_steps: int) -> list[Age
     agents = []
     paths = resolve_model_paths([spec.model_path for spec in config.agents.values()])
     for index, ((name, spec), path) in enumerate(zip(config.agents.items(), paths)):
-        policy = from_pretrained(path, dtype=_DTYPES[spec.param_dtype], compute_dtype=_DTYPES[spec.compute_dtype],
+        policy = load_policy(path, dtype=_DTYPES[spec.param_dtype], compute_dtype=_DTYPES[spec.compute_dtype],
                                  mesh=meshes[index], remat=config.grpo.remat, attention=config.grpo.attention)
         _check_checkpoint(name, spec, path, policy)
         agents.append(make_agent(config, name, index, policy, stop_token_ids(policy.tokenizer, path), total_steps))

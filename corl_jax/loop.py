@@ -135,6 +135,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
         _check_nonfinite(nonfinite, config.train.max_nonfinite_updates, step)
         flat = {f"{name}/{k}": v for name, m in metrics.items() for k, v in m.items()}
         flat["time/step"] = time.perf_counter() - t0
+        flat.update(memory_metrics())
         log.scalars(step, flat)
         if config.train.log_records:
             log.records(records)
@@ -212,3 +213,15 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: epath.Path) -> 
 def _print(line: str) -> None:
     if multihost.is_main():
         tqdm.write(line)
+
+
+def memory_metrics() -> dict[str, int]:
+    """`memory/{peak_bytes_in_use,bytes_in_use,bytes_limit}`: the largest over this process's devices of what their
+    allocator reports (GPU/TPU); empty where devices report no memory stats (CPU)."""
+    out: dict[str, int] = {}
+    for device in jax.local_devices():
+        stats = device.memory_stats() or {}
+        for key in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit"):
+            if key in stats:
+                out[f"memory/{key}"] = max(out.get(f"memory/{key}", 0), int(stats[key]))
+    return out

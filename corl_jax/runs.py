@@ -146,13 +146,13 @@ def load_agent(workdir: str | os.PathLike, agent: str, step: str | int = "best",
 
     Only that agent's parameters are read from the checkpoint (no optimiser state, no other agent), directly in
     `dtype` and, with `mesh`, in their sharding. Returns (policy, resolved step)."""
-    from corl_jax.models import from_pretrained
+    from corl_jax.stand_ins import load_policy
     from corl_jax.tokenization import load_tokenizer
 
     run = open_run(workdir)
     resolved = run.resolve_step(agent, step)
     path = run.model_path(agent)
-    base = from_pretrained(path, dtype=dtype, mesh=mesh) if resolved == 0 else None
+    base = load_policy(path, dtype=dtype, mesh=mesh) if resolved == 0 else None
     if base is None:
         config = ModelConfig.from_hf_dict(json.loads((Path(path) / "config.json").read_text()),
                                           param_dtype=dtype, dtype=dtype)

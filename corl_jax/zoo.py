@@ -1,4 +1,5 @@
-"""Built-in stand-in checkpoints for local runs, addressed by model paths `tiny:<family>` (and `demo:<family>`).
+"""Built-in stand-in checkpoints for local runs, addressed by model paths `tiny:<family>` (and `demo:<family>`;
+`random:<hub id>` is resolved by `corl_jax.stand_ins`).
 
 `tiny:qwen2`, `tiny:llama`, `tiny:qwen3`: randomly initialised two-layer models of each family's architecture
 (Qwen2 q/k/v biases and tied embeddings; Llama-3 `llama3` RoPE scaling, GQA 4:1, untied; Qwen3 q/k norms and
@@ -42,6 +43,10 @@ def resolve_model_path(model_path: str) -> str:
     if kind == "tiny" and family:
         _check_family(model_path, family)
         return str(_build_once(cache_root() / "zoo" / f"tiny-{family}", lambda d: build_random_checkpoint(d, family)))
+    if kind == "random" and family:
+        from corl_jax.stand_ins import resolve_random_path
+
+        return resolve_random_path(model_path)
     if kind == "demo" and family:
         _check_family(model_path, family)
         from corl_jax.demo_bases import demo_base_dir  # the warm-started bases of the arithmetic world
