@@ -35,7 +35,7 @@ from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Completions, Sampler
 from corl_jax.tasks import make_task
 from corl_jax.tokenization import decode_completions, encode_prompts, prompt_lengths, stop_token_ids
-from corl_jax.zoo import resolve_model_paths
+from corl_jax.registry import resolve_model_paths
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

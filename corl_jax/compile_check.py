@@ -112,7 +112,7 @@ def model_config(model_path: str, spec, remat: str):
     import jax.numpy as jnp
 
     from corl_jax.models import ModelConfig
-    from corl_jax.zoo import TINY_ARCHITECTURES
+    from corl_jax.demo.checkpoints import TINY_ARCHITECTURES
 
     if (Path(model_path).expanduser() / "config.json").is_file():
         hf = json.loads((Path(model_path).expanduser() / "config.json").read_text())

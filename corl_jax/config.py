@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import ml_collections
 
-from corl_jax import arithmetic
 from corl_jax.data import arithmetic_source
 from corl_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from corl_jax.registry import FAMILIES
 from corl_jax.sampling.engine import ATTENTION_IMPLS as DECODE_ATTENTION_IMPLS
-from corl_jax.zoo import FAMILIES
 
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
 TASKS = ("math", "code")  # what the prompts ask for and how answers are keyed and graded (corl_jax/tasks.py)
@@ -266,8 +265,10 @@ VARIANTS = ("", "tiny", "demo")
 
 def variant_sources(variant: str, **settings) -> tuple[str, str]:
     """(train, eval) sources of a local variant: the arithmetic world (the demo's, for "demo") with extra
-    `arithmetic.generate` settings, e.g. rephrasing="symbols"."""
-    world = {**(arithmetic.DEMO_WORLD if variant == "demo" else {}), **settings}
+    `corl_jax.demo.arithmetic.generate` settings, e.g. rephrasing="symbols"."""
+    from corl_jax.demo.arithmetic import DEMO_WORLD
+
+    world = {**(DEMO_WORLD if variant == "demo" else {}), **settings}
     return arithmetic_source("rl", world), arithmetic_source("test", world)
 
 

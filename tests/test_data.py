@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from corl_jax import arithmetic
+from corl_jax.demo import arithmetic
 from corl_jax.data import (MATH500_PATH, DataError, Problem, PromptStream, arithmetic_source, holdout_split, load_problems,
                            load_train_and_eval)
 

@@ -8,8 +8,8 @@ plus the KV cache of every row; with the average context Tp + T/2,
   step_bytes = 2 * n_params + B * (Tp + T/2) * kv_bytes_per_token,   roofline tok/s = B / (step_bytes / 4.3e12).
 
 Usage (GPU; each part prints a table and writes one JSON):
-  python experiments/bench_sampling.py --out experiments/results/bench_sampling.json
-  python experiments/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --variants pallas,xla-seg128 \
+  python experiments/bench/bench_sampling.py --out experiments/results/bench_sampling.json
+  python experiments/bench/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --variants pallas,xla-seg128 \
       --hf-peer none --profile-steps 24 --dump-dir /tmp/profile
 """
 

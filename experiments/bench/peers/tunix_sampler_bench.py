@@ -26,7 +26,7 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: shapes, bench_sampling
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/bench/: shapes, bench_sampling
 
 from shapes import SHAPES  # noqa: E402
 
@@ -215,7 +215,7 @@ def main():
     from bench_sampling import device_name, versions
 
     clock = CompileClock()
-    ours_file = Path(__file__).resolve().parents[1] / "results" / "bench_sampling.json"
+    ours_file = Path(__file__).resolve().parents[2] / "results" / "bench_sampling.json"
     ours = json.loads(ours_file.read_text())["corl_jax"] if ours_file.exists() else []
     rows, ratios, skipped = [], [], []
 
