@@ -1,4 +1,4 @@
-"""The synthetic arithmetic world: integer-answer problems a laptop-sized model can learn (issue 6).
+"""The synthetic arithmetic world: integer-answer problems a laptop-sized model can learn.
 
 Two kinds of problem, each a chain of 2-5 integer operations (its `level`):
   * expressions such as "(17 + 5) * 3 - 8": a random tree whose every intermediate value is a whole number in

@@ -1,4 +1,4 @@
-"""Warm-started tiny bases of the arithmetic world: the `demo:<family>` checkpoints (issue 6).
+"""Warm-started tiny bases of the arithmetic world: the `demo:<family>` checkpoints.
 
 Each family gets its own architecture, size, tokenizer and seed (`RECIPES`), and is made by a short supervised
 fine-tuning (SFT) of a random init on the `sft` split of `corl_jax.demo.arithmetic`: the chat prompt exactly as RL will
