@@ -346,3 +346,9 @@ def test_arithmetic_rows_through_the_file_loader(tmp_path):
                          ("arithmetic?rephrasing=spoken", "unknown rephrasing")]:
         with pytest.raises(DataError, match=f"{problem}.*Fix: use 'arithmetic"):
             load_problems(bad)
+
+
+def test_benchmarks_name_the_demo_worlds_test_split():
+    from corl_jax.benchmarks import ARITHMETIC_TEST
+
+    assert ARITHMETIC_TEST == arithmetic_source("test", arithmetic.DEMO_WORLD)
