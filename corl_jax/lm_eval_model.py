@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import lm_eval.models  # noqa: F401  (lm-eval's own model types, registered on import)
+import numpy as np
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model

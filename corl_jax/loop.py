@@ -14,8 +14,8 @@ from etils import epath
 from tqdm import tqdm
 
 from corl_jax import multihost
-from corl_jax.checkpointing import Checkpointer, Snapshot
 from corl_jax import workdir as run_dir
+from corl_jax.checkpointing import Checkpointer, Snapshot
 from corl_jax.cohort import Cohort, check_prompt_lengths, load_agents
 from corl_jax.data import PromptStream, load_train_and_eval
 from corl_jax.metrics import RunLog, write_json

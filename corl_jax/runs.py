@@ -109,7 +109,7 @@ class Run:
 
     def model_path(self, agent: str) -> str:
         """The local HF directory of the agent's base model (`tiny:`/`demo:` paths built on first use)."""
-        from corl_jax.zoo import resolve_model_paths
+        from corl_jax.registry import resolve_model_paths
 
         self.check_agent(agent)
         return resolve_model_paths([self.config.agents[agent].model_path])[0]

@@ -19,8 +19,8 @@ _MARKER = "random_init.json"
 
 def resolve_random_path(model_path: str) -> str:
     """The cache directory of a `random:<hub id>[@FIELD=N,...]` path (config.json + tokenizer, no weights)."""
+    from corl_jax.demo.checkpoints import CHAT_STYLE, build_once, cache_root
     from corl_jax.models.paper_shapes import PAPER_MODELS
-    from corl_jax.zoo import CHAT_STYLE, _build_once, cache_root
 
     hub_id, _, options = model_path[len(SCHEME):].partition("@")
     if hub_id not in PAPER_MODELS:
@@ -46,7 +46,7 @@ def resolve_random_path(model_path: str) -> str:
         (directory / "config.json").write_text(json.dumps(hf, indent=2))
         (directory / _MARKER).write_text(json.dumps({"model_path": model_path, "seed": 0}))
 
-    return str(_build_once(cache_root() / "zoo" / name, build))
+    return str(build_once(cache_root() / "zoo" / name, build))
 
 
 def is_random(directory) -> bool:

@@ -24,6 +24,7 @@ from corl_jax.answers import code as code_answers
 from corl_jax.answers import math as math_answers
 from corl_jax.data import Problem
 
+
 class MathTask:
     """Boxed/last-number answers graded by the reference's math verifier."""
 

@@ -372,7 +372,7 @@ def score_step(texts_by_agent: Sequence[Sequence[str]], gt: Sequence[str | None]
 
     pairs, index = reward_pairs(pred_ids, teacher)
     t2 = time.perf_counter()
-    graded = grader.grade_all([(pred_table.strings[p], label_table.strings[l]) for p, l in pairs.tolist()])
+    graded = grader.grade_all([(pred_table.strings[p], label_table.strings[t]) for p, t in pairs.tolist()])
     rewards = gather_rewards(np.array(graded, np.float32), index)
 
     t3 = time.perf_counter()

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import transformers
 
-from corl_jax.tokenization import build_tokenizer
+from corl_jax.demo.tokenizers import build_tokenizer
 
 FAMILIES = ("qwen2", "llama", "qwen3")
 _TOKENIZER_STYLE = {"qwen2": "chatml", "qwen3": "chatml", "llama": "llama3"}

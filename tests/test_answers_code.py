@@ -19,8 +19,15 @@ import pytest
 
 from corl_jax.answers import code as code_answers
 from corl_jax.answers.code import (
-    SandboxLimits, extract_calls, extract_code, passes_tests, passes_tests_batch, run_outputs,
-    sandbox_confinement, voting_answer)
+    SandboxLimits,
+    extract_calls,
+    extract_code,
+    passes_tests,
+    passes_tests_batch,
+    run_outputs,
+    sandbox_confinement,
+    voting_answer,
+)
 
 # Small limits keep the suite fast: per-call timer 1 s, whole child 2.5 s, 512 MiB, 64 KiB files.
 FAST = SandboxLimits(call_seconds=1.0, wall_seconds=2.5, memory_bytes=512 << 20,

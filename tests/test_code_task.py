@@ -12,12 +12,11 @@ import textwrap
 import ml_collections
 import pytest
 
+from config_files import load_config
 from corl_jax.answers import code as code_answers
 from corl_jax.config import validate
 from corl_jax.data import Problem, load_problems
 from corl_jax.tasks import CodeTask
-
-from config_files import load_config
 
 CALL_SECONDS = 0.5
 

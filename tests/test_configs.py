@@ -1,9 +1,8 @@
 """Paper-scale configs carry the reference launchers' settings (spec §2.1); their local variants stay small."""
 
+from config_files import load_config
 from corl_jax.config import validate
 from corl_jax.data import load_problems
-
-from config_files import load_config
 
 
 def test_ttrl_batch_is_the_reference_launchers():

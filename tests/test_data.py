@@ -10,9 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from corl_jax import arithmetic
-from corl_jax.data import (MATH500_PATH, DataError, Problem, PromptStream, arithmetic_source, holdout_split, load_problems,
-                           load_train_and_eval)
+from corl_jax.data import (
+    MATH500_PATH,
+    DataError,
+    Problem,
+    PromptStream,
+    arithmetic_source,
+    holdout_split,
+    load_problems,
+    load_train_and_eval,
+)
+from corl_jax.demo import arithmetic
 
 ROWS = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "Solve x + 3 = 5.", "answer": 2},
         {"prompt": "Name a prime.", "answer": "7", "rephrased": "Give one prime number."}]
@@ -346,3 +354,9 @@ def test_arithmetic_rows_through_the_file_loader(tmp_path):
                          ("arithmetic?rephrasing=spoken", "unknown rephrasing")]:
         with pytest.raises(DataError, match=f"{problem}.*Fix: use 'arithmetic"):
             load_problems(bad)
+
+
+def test_benchmarks_name_the_demo_worlds_test_split():
+    from corl_jax.benchmarks import ARITHMETIC_TEST
+
+    assert ARITHMETIC_TEST == arithmetic_source("test", arithmetic.DEMO_WORLD)

@@ -16,15 +16,16 @@ import pytest
 from flax import nnx
 
 import corl_jax.models as models
-from corl_jax import arithmetic, demo_bases, zoo
+from config_files import load_config
+from corl_jax import registry
 from corl_jax.config import validate
+from corl_jax.demo import arithmetic, checkpoints
+from corl_jax.demo import bases as demo_bases
 from corl_jax.loop import train
 from corl_jax.tokenization import chat_prompt, encode_prompts
-
-from config_files import load_config
 from hf_tiny import hf_logits
 
-FAMILIES = zoo.FAMILIES
+FAMILIES = registry.FAMILIES
 REDUCED = dict(num_examples=64, steps=10, batch_size=8)
 
 
@@ -41,8 +42,8 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_checkpoint_loads_in_transformers_with_our_logits(cache, family):
     directory = cache[family]
-    assert directory == zoo.cache_root() / "zoo" / f"demo-{family}-{demo_bases.recipe_key(demo_bases.RECIPES[family])}"
-    assert zoo.resolve_model_path(f"demo:{family}") == str(directory)
+    assert directory == checkpoints.cache_root() / "zoo" / f"demo-{family}-{demo_bases.recipe_key(demo_bases.RECIPES[family])}"
+    assert registry.resolve_model_path(f"demo:{family}") == str(directory)
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
         assert (directory / name).is_file(), name
     policy = models.from_pretrained(directory, dtype=jnp.float32)
@@ -114,7 +115,7 @@ def test_build_is_cached_and_atomic(cache, monkeypatch, tmp_path):
     monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="interrupted"):
         demo_bases.demo_base_dir("qwen3")
-    assert not any((zoo.cache_root() / "zoo").iterdir())  # no directory, complete or partial, was left
+    assert not any((checkpoints.cache_root() / "zoo").iterdir())  # no directory, complete or partial, was left
     with pytest.raises(ValueError, match="unknown family"):
         demo_bases.demo_base_dir("gpt2")
 

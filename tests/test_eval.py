@@ -22,7 +22,6 @@ from corl_jax import benchmarks as bm
 from corl_jax import eval as ev
 from corl_jax.data import DataError
 from corl_jax.voting import cohens_kappa
-
 from hf_tiny import make_tiny_hf_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

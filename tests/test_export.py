@@ -19,14 +19,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from config_files import load_config
 from corl_jax import loop
 from corl_jax.checkpointing import Checkpointer
 from corl_jax.cohort import Cohort
 from corl_jax.export import export
 from corl_jax.models import logits
 from corl_jax.runs import RunError, load_agent, open_run
-
-from config_files import load_config
 from hf_tiny import hf_logits
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,8 +25,8 @@ from corl_jax.checkpointing import Checkpointer
 from corl_jax.cohort import Cohort, check_prompt_lengths, load_agents
 from corl_jax.config import ConfigError, validate
 from corl_jax.data import load_problems
+from corl_jax.registry import resolve_model_path
 from corl_jax.train import run
-from corl_jax.zoo import resolve_model_path
 from test_train import REPO, final_state
 
 STEPS = 4

@@ -10,14 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from corl_jax import grpo
-from corl_jax import arithmetic
+from config_files import load_config
+from corl_jax import arithmetic, grpo
 from corl_jax.cohort import Cohort, bucket_plan, completion_widths, load_agents, padded_flops_fraction
 from corl_jax.config import validate
 from corl_jax.data import PromptBlock
 from corl_jax.models import Decoder, ModelConfig
-
-from config_files import load_config
 from test_grpo import T, _jax_loss_fn, _toy_model_batch
 
 RTOL = 1e-5  # float32: the bucketed sum differs from the unbucketed one only in summation order

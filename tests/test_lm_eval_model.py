@@ -50,8 +50,9 @@ def setup(tmp_path_factory):
 
 
 def responses(model, model_args, tasks):
-    import corl_jax.lm_eval_model  # noqa: F401  (registers the model type)
     from lm_eval.tasks import TaskManager
+
+    import corl_jax.lm_eval_model  # noqa: F401  (registers the model type)
 
     result = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(EXTRA),
                                      task_manager=TaskManager(include_path=str(tasks)), log_samples=True)

@@ -1,4 +1,4 @@
-"""`random:<hub id>` stand-ins and experiments/paper_shape_run.py end to end at CPU size (train, resume, eval)."""
+"""`random:<hub id>` stand-ins and experiments/bench/paper_shape_run.py end to end at CPU size (train, resume, eval)."""
 
 import json
 import subprocess
@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from corl_jax.zoo import resolve_model_path
 from flax import nnx
 
 from corl_jax import compile_check
 from corl_jax.models.paper_shapes import PAPER_MODELS
 from corl_jax.stand_ins import load_policy
 from corl_jax.tokenization import decode_completions
-from corl_jax.zoo import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = "@num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2"
@@ -53,7 +53,7 @@ def test_bad_random_path_names_the_fix(path, fix):
 
 def test_paper_shape_run_tiny_end_to_end(tmp_path):
     out = tmp_path / "result.json"
-    subprocess.run([sys.executable, "experiments/paper_shape_run.py", "--size=tiny", "--steps=1",
+    subprocess.run([sys.executable, "experiments/bench/paper_shape_run.py", "--size=tiny", "--steps=1",
                     f"--workdir={tmp_path / 'run'}", f"--out={out}"], cwd=REPO, check=True)
     result = json.loads(out.read_text())
     assert [p for p in result["phases"]] == ["build", "first", "resume", "eval"]

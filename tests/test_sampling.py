@@ -2,16 +2,14 @@
 
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
 import scipy.stats
 
-import jax
-import jax.numpy as jnp
-
 from corl_jax.sampling.controls import SamplingParams, _first_above, draw, sample_tokens, truncation_threshold
-
 
 # ----------------------------------------------------------------------------------------------
 # Sampling controls on raw logits.
@@ -177,10 +175,9 @@ def test_bad_params_are_rejected(kwargs, message):
 
 import torch  # noqa: E402  (CPU torch: the transformers oracle)
 import transformers  # noqa: E402
-
-import corl_jax.models as models  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import corl_jax.models as models  # noqa: E402
 from corl_jax.models import sharding  # noqa: E402
 from corl_jax.sampling import engine  # noqa: E402
 from corl_jax.sampling.engine import Buckets, Sampler, segment_ends  # noqa: E402

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from corl_jax import tokenization as tk
+from corl_jax.demo.tokenizers import build_tokenizer
 from corl_jax.models import smollm2
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500_test.json"
@@ -28,7 +30,7 @@ def smollm2_dir():
 @pytest.fixture(scope="module", params=["chatml", "llama3"])
 def style_dir(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(f"tok_{request.param}")
-    tk.build_tokenizer(directory, "char", style=request.param)
+    build_tokenizer(directory, "char", style=request.param)
     return request.param, directory
 
 
@@ -87,14 +89,14 @@ def test_prompt_ids_match_apply_chat_template_without_doubled_bos(style_dir):
 # --- Loading and its errors ---
 
 def test_load_tokenizer_pads_left_with_eos_when_pad_is_missing(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="llama3")
+    build_tokenizer(tmp_path, "char", style="llama3")
     tokenizer = tk.load_tokenizer(tmp_path)
     assert tokenizer.padding_side == "left"
     assert tokenizer.pad_token == tokenizer.eos_token == "<|eot_id|>"
 
 
 def test_load_tokenizer_keeps_its_own_pad(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="chatml")
+    build_tokenizer(tmp_path, "char", style="chatml")
     tokenizer = tk.load_tokenizer(tmp_path)
     assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|endoftext|>", "<|im_end|>")
 
@@ -111,7 +113,7 @@ def test_directory_without_tokenizer_files_error(tmp_path):
 
 
 def test_missing_chat_template_error_names_the_fix(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="chatml", chat_template=False)
+    build_tokenizer(tmp_path, "char", style="chatml", chat_template=False)
     tokenizer = tk.load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match=r"no chat template.*--config\.agents\.<name>\.chat_template"):
         tk.chat_prompt(tokenizer, PROBLEM)
@@ -120,7 +122,7 @@ def test_missing_chat_template_error_names_the_fix(tmp_path):
 
 
 def test_chat_template_given_as_text_or_file(tmp_path):
-    tk.build_tokenizer(tmp_path / "tok", "char", style="chatml", chat_template=False)
+    build_tokenizer(tmp_path / "tok", "char", style="chatml", chat_template=False)
     template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[bot]"
     (tmp_path / "t.jinja").write_text(template)
     expected = f"[user]{tk.build_prompt_text(PROBLEM)}[bot]"
@@ -152,7 +154,7 @@ def test_bad_bucket_error(bucket):
 
 @pytest.mark.parametrize("bucket", [64, "pow2", 1])
 def test_encode_prompts_left_pads_to_a_bucket(tmp_path, bucket):
-    tk.build_tokenizer(tmp_path, "char", style="chatml")
+    build_tokenizer(tmp_path, "char", style="chatml")
     tokenizer = tk.load_tokenizer(tmp_path)
     problems = ["1+1", "a longer problem " * 5, "x"]
     ids, mask = tk.encode_prompts(tokenizer, problems, bucket=bucket)
@@ -169,7 +171,7 @@ def test_encode_prompts_left_pads_to_a_bucket(tmp_path, bucket):
 
 
 def test_bucket_is_capped_at_max_prompt_len(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="chatml")
+    build_tokenizer(tmp_path, "char", style="chatml")
     tokenizer = tk.load_tokenizer(tmp_path)
     ids, mask = tk.encode_prompts(tokenizer, ["1+1"], bucket=64)
     length = int(mask.sum())
@@ -179,7 +181,7 @@ def test_bucket_is_capped_at_max_prompt_len(tmp_path):
 
 
 def test_too_long_prompt_error_names_index_lengths_and_fix(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="chatml")
+    build_tokenizer(tmp_path, "char", style="chatml")
     tokenizer = tk.load_tokenizer(tmp_path)
     problems = ["short", "long " * 40, "long " * 50]
     short_len = int(tk.encode_prompts(tokenizer, problems[:1])[1].sum())
@@ -194,7 +196,7 @@ def test_too_long_prompt_error_names_index_lengths_and_fix(tmp_path):
 
 
 def test_no_problems_error(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="chatml")
+    build_tokenizer(tmp_path, "char", style="chatml")
     with pytest.raises(ValueError, match="no problems"):
         tk.encode_prompts(tk.load_tokenizer(tmp_path), [])
 
@@ -209,7 +211,7 @@ def test_no_problems_error(tmp_path):
     (None, None, (4,)),                             # nothing on disk: the tokenizer's eos
 ])
 def test_stop_token_ids(tmp_path, file, eos, expected):
-    tk.build_tokenizer(tmp_path, "char", style="llama3")
+    build_tokenizer(tmp_path, "char", style="llama3")
     tokenizer = tk.load_tokenizer(tmp_path)
     assert tokenizer.convert_tokens_to_ids(["<|end_of_text|>", "<|eot_id|>"]) == [1, 4]
     if file is not None:
@@ -218,7 +220,7 @@ def test_stop_token_ids(tmp_path, file, eos, expected):
 
 
 def test_generation_config_wins_over_config(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="llama3")
+    build_tokenizer(tmp_path, "char", style="llama3")
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 0}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1]}))
     assert tk.stop_token_ids(tk.load_tokenizer(tmp_path), tmp_path) == (1, 4)
@@ -227,14 +229,14 @@ def test_generation_config_wins_over_config(tmp_path):
 @pytest.mark.parametrize("eos, shown", [([4, 10**6], "[1000000]"), (-1, "[-1]"),
                                         ("<|eot_id|>", "['<|eot_id|>']"), ([2.0], "[2.0]")])
 def test_stop_id_that_is_not_a_token_id_error(tmp_path, eos, shown):
-    tk.build_tokenizer(tmp_path, "char", style="llama3")
+    build_tokenizer(tmp_path, "char", style="llama3")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     with pytest.raises(ValueError, match=re.escape(f"eos_token_id {shown} in ")):
         tk.stop_token_ids(tk.load_tokenizer(tmp_path), tmp_path)
 
 
 def test_no_stop_token_error(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="llama3")
+    build_tokenizer(tmp_path, "char", style="llama3")
     tokenizer = tk.load_tokenizer(tmp_path)
     tokenizer.eos_token = None
     with pytest.raises(ValueError, match="no stop token"):
@@ -244,7 +246,7 @@ def test_no_stop_token_error(tmp_path):
 # --- Decoding ---
 
 def test_decode_completions_keeps_masked_tokens_and_skips_special(tmp_path):
-    tk.build_tokenizer(tmp_path, "char", style="chatml")
+    build_tokenizer(tmp_path, "char", style="chatml")
     tokenizer = tk.load_tokenizer(tmp_path)
     texts = ["The answer is \\boxed{42}.", "", "ünïcode 7"]
     width = 40
@@ -269,7 +271,7 @@ CORPUS = [f"{a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}." for a in ran
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 @pytest.mark.parametrize("style", ["chatml", "llama3"])
 def test_build_tokenizer_round_trips(tmp_path, kind, style):
-    built = tk.build_tokenizer(tmp_path, kind, style=style, corpus=CORPUS, vocab_size=400)
+    built = build_tokenizer(tmp_path, kind, style=style, corpus=CORPUS, vocab_size=400)
     tokenizer = tk.load_tokenizer(tmp_path)
     assert len(tokenizer) == len(built)
     for text in ROUND_TRIP_TEXTS:
@@ -289,11 +291,11 @@ def test_build_tokenizer_round_trips(tmp_path, kind, style):
 def test_build_tokenizer_digit_groups(tmp_path):
     """digit_group=3 keeps up to three digits per pre-token (Llama 3), so BPE can learn whole numbers; 1 never can;
     0 (GPT-2 style) lets BPE learn a number together with its leading space."""
-    tokenizer = tk.build_tokenizer(tmp_path / "0", "bpe", corpus=CORPUS, vocab_size=600, digit_group=0)
+    tokenizer = build_tokenizer(tmp_path / "0", "bpe", corpus=CORPUS, vocab_size=600, digit_group=0)
     pieces = tokenizer.convert_ids_to_tokens(tokenizer("12 + 259 = 1234567", add_special_tokens=False)["input_ids"])
     assert "Ġ259" in pieces and tokenizer.decode(tokenizer("12 + 259")["input_ids"]) == "12 + 259"
     for group in (1, 3):
-        tokenizer = tk.build_tokenizer(tmp_path / str(group), "bpe", corpus=CORPUS, vocab_size=600, digit_group=group)
+        tokenizer = build_tokenizer(tmp_path / str(group), "bpe", corpus=CORPUS, vocab_size=600, digit_group=group)
         pieces = tokenizer.convert_ids_to_tokens(tokenizer("12 + 259 = 1234567", add_special_tokens=False)["input_ids"])
         numbers = [p.lstrip("Ġ") for p in pieces if p.lstrip("Ġ").isdigit()]
         if group == 1:
@@ -305,11 +307,11 @@ def test_build_tokenizer_digit_groups(tmp_path):
 
 def test_build_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="needs a non-empty corpus"):
-        tk.build_tokenizer(tmp_path, "bpe")
+        build_tokenizer(tmp_path, "bpe")
     with pytest.raises(ValueError, match="unknown tokenizer kind"):
-        tk.build_tokenizer(tmp_path, "word")
+        build_tokenizer(tmp_path, "word")
     with pytest.raises(ValueError, match="digit_group=4"):
-        tk.build_tokenizer(tmp_path, "char", digit_group=4)
+        build_tokenizer(tmp_path, "char", digit_group=4)
 
 
 # --- The real SmolLM2-135M-Instruct ---

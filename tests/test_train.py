@@ -285,8 +285,8 @@ def test_truncated_completions_masked_on_request(mask_truncated):
 def test_eval_accuracy_is_the_mean_over_samples_of_each_prompt(samples_per_prompt, monkeypatch):
     """Rows come back prompt-major (row p*k + j). Every row answers its own prompt's gold except the first sample of
     each even-numbered problem, so accuracy = 1 - 3 / (6 * k) for 6 problems."""
-    from corl_jax import arithmetic
     from corl_jax.cohort import Cohort, load_agents
+    from corl_jax.demo import arithmetic
     from corl_jax.loop import evaluate
 
     k = samples_per_prompt

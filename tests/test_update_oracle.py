@@ -28,7 +28,6 @@ from corl_jax.cohort import Cohort, Rollouts, load_agents
 from corl_jax.config import agent_config, base_config, validate
 from corl_jax.models import save_pretrained
 from corl_jax.sampling import Completions
-
 from hf_tiny import make_tiny_hf_checkpoint
 
 P, G, TP, TC = 4, 4, 5, 6          # prompts, generations, prompt width, completion width: N = 16 rows

@@ -31,7 +31,6 @@ from corl_jax.models.config import ModelConfig
 from corl_jax.models.decoder import Decoder, positions_from_mask
 from corl_jax.models.sharding import DEFAULT_RULES, batch_sharding, variable_sharding
 
-
 # ------------------------------------------------------------------------------ name/layout table
 
 @dataclasses.dataclass(frozen=True)

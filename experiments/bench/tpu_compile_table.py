@@ -1,7 +1,7 @@
 """The compile-only TPU table of docs/tpu.md: the paper's ring3 and pair configs on v5e-8/16, v5p-8 and v6e-8, shared
 and partitioned placement, compiled by libtpu on this (CPU) host without weights (`corl_jax.compile_check`).
 
-    python experiments/tpu_compile_table.py [--topologies=v5e-8,v5e-16,v5p-8,v6e-8] [--prompt_len=512]
+    python experiments/bench/tpu_compile_table.py [--topologies=v5e-8,v5e-16,v5p-8,v6e-8] [--prompt_len=512]
         [--out=experiments/results/tpu_compile_check.json]
 
 Every agent's mesh is fully sharded (fsdp over all of its chips: the paper models' fp32 weights and AdamW moments do
@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 CONFIGS = ("ring3", "pair_different_family", "pair_same_family")
@@ -24,7 +24,7 @@ CONFIGS = ("ring3", "pair_different_family", "pair_same_family")
 def load(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "configs",
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "..", "configs",
                                                                      f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

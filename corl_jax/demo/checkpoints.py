@@ -1,10 +1,10 @@
-"""Built-in stand-in checkpoints for local runs, addressed by model paths `tiny:<family>` (and `demo:<family>`;
-`random:<hub id>` is resolved by `corl_jax.stand_ins`).
+"""Built-in stand-in checkpoints for local runs, addressed by model paths `tiny:<family>` (corl_jax.registry).
 
 `tiny:qwen2`, `tiny:llama`, `tiny:qwen3`: randomly initialised two-layer models of each family's architecture
 (Qwen2 q/k/v biases and tied embeddings; Llama-3 `llama3` RoPE scaling, GQA 4:1, untied; Qwen3 q/k norms and
 head_dim != hidden/heads) with a byte-level tokenizer in the family's chat style. They are ordinary HF checkpoint
 directories in the cache (`$CORL_JAX_CACHE`, default ~/.cache/corl_jax), built once, loaded by `from_pretrained`.
+The warm-started `demo:<family>` bases (corl_jax.demo.bases) use the same cache helpers.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-FAMILIES = ("qwen2", "llama", "qwen3")
+from corl_jax import registry
 
 # HF config.json fields of each family's tiny architecture (vocab_size and token ids come from the tokenizer).
 TINY_ARCHITECTURES = {
@@ -34,49 +34,22 @@ CHAT_STYLE = {"qwen2": "chatml", "llama": "llama3", "qwen3": "chatml"}
 
 
 def cache_root() -> Path:
+    """The directory of built checkpoints and other caches: `$CORL_JAX_CACHE`, default ~/.cache/corl_jax."""
     return Path(os.environ.get("CORL_JAX_CACHE", Path.home() / ".cache" / "corl_jax"))
 
 
-def resolve_model_path(model_path: str) -> str:
-    """A local directory for `model_path`: built-in specs are built on first use; anything else is returned as is."""
-    kind, _, family = model_path.partition(":")
-    if kind == "tiny" and family:
-        _check_family(model_path, family)
-        return str(_build_once(cache_root() / "zoo" / f"tiny-{family}", lambda d: build_random_checkpoint(d, family)))
-    if kind == "random" and family:
-        from corl_jax.stand_ins import resolve_random_path
-
-        return resolve_random_path(model_path)
-    if kind == "demo" and family:
-        _check_family(model_path, family)
-        from corl_jax.demo_bases import demo_base_dir  # the warm-started bases of the arithmetic world
-
-        return str(demo_base_dir(family))
-    return model_path
-
-
-def resolve_model_paths(model_paths: list[str]) -> list[str]:
-    """`resolve_model_path` of each; the missing `demo:` bases among them are first built side by side."""
-    specs = [path.partition(":") for path in model_paths]
-    demo = [family for kind, _, family in specs if kind == "demo" and family in FAMILIES]
-    if demo:  # (an unknown family gets resolve_model_path's error)
-        from corl_jax.demo_bases import build_all
-
-        build_all(demo)
-    return [resolve_model_path(p) for p in model_paths]
-
-
-def _check_family(model_path: str, family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family in model path {model_path!r}; use one of {FAMILIES}")
+def tiny_checkpoint_dir(family: str) -> Path:
+    """The cached random checkpoint of `family` (`tiny:<family>`), built (atomically) on first use."""
+    registry.check_family(f"tiny:{family}", family)
+    return build_once(cache_root() / "zoo" / f"tiny-{family}", lambda d: build_random_checkpoint(d, family))
 
 
 def is_built(directory: Path) -> bool:
-    """Whether `directory` holds a complete built checkpoint (`_build_once` renames it into place when done)."""
+    """Whether `directory` holds a complete built checkpoint (`build_once` renames it into place when done)."""
     return (directory / "config.json").is_file()
 
 
-def _build_once(directory: Path, build) -> Path:
+def build_once(directory: Path, build) -> Path:
     """Build into a temporary sibling and rename, so a killed build never leaves a half directory."""
     if is_built(directory):
         return directory
@@ -98,8 +71,8 @@ def build_random_checkpoint(directory, family: str, *, seed: int = 0, tokenizer_
     """Write a randomly initialised HF checkpoint of `family` (architecture fields overridable) to `directory`."""
     from flax import nnx
 
+    from corl_jax.demo.tokenizers import build_tokenizer
     from corl_jax.models import Decoder, ModelConfig, Policy, save_pretrained
-    from corl_jax.tokenization import build_tokenizer
 
     directory = Path(directory)
     tokenizer = build_tokenizer(directory, tokenizer_kind, style=CHAT_STYLE[family], corpus=corpus,

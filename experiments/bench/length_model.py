@@ -6,7 +6,7 @@ and E[min(f, 1)] = `--mean`. For each `grpo.length_bucket` the step's rows (`--r
 go through `cohort.bucket_plan`, and `cohort.padded_flops_fraction` counts padding with `ModelConfig.train_flops`
 (no device needed).
 
-    python experiments/length_model.py --out experiments/results/length_model.json
+    python experiments/bench/length_model.py --out experiments/results/length_model.json
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """How far the sampler's log-probs are from the trainer's on the same tokens (what the IS correction corrects).
 
-Random weights at a real shape (experiments/shapes.py), the training precision (fp32 master weights, bf16 compute):
+Random weights at a real shape (experiments/bench/shapes.py), the training precision (fp32 master weights, bf16 compute):
 sample completions with our sampler (its fused decode path: KV cache, decode attention kernel on GPUs), score the
 same tokens with the trainer's forward (`corl_jax.cohort.score_completions`), and report per-token |difference|
 (mean, p50, p99, max) over the completion tokens plus the truncated IS weight min(exp(trainer - sampler), 3)
 (`corl_jax.grpo.sampling_correction`: min / mean / max), as TRL logs them. Saves JSON under experiments/results/.
 
-    python experiments/bench_logprob_gap.py                  # Qwen2.5-1.5B shape, 16 prompts x 8, 256 + 512 tokens
-    python experiments/bench_logprob_gap.py --tiny           # a CPU check of the script
+    python experiments/bench/bench_logprob_gap.py                  # Qwen2.5-1.5B shape, 16 prompts x 8, 256 + 512 tokens
+    python experiments/bench/bench_logprob_gap.py --tiny           # a CPU check of the script
 """
 
 from __future__ import annotations

@@ -26,10 +26,9 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: shapes, bench_sampling
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/bench/: shapes, bench_sampling
 
 from shapes import SHAPES  # noqa: E402
-
 
 # ------------------------------------------------------------------------------------------ import
 
@@ -136,9 +135,9 @@ class CompileClock:
 def measure(args, name, clock):
     import jax
     import numpy as np
+    from tunix.generate.sampler import CacheConfig, Sampler
 
     from bench_sampling import throughput
-    from tunix.generate.sampler import CacheConfig, Sampler
 
     model, config, n_params, dtypes = build_model(name)
     vocab = config.vocab_size
@@ -212,10 +211,11 @@ def main():
     started = time.perf_counter()
     _install_tunix_package()
     import jax
+
     from bench_sampling import device_name, versions
 
     clock = CompileClock()
-    ours_file = Path(__file__).resolve().parents[1] / "results" / "bench_sampling.json"
+    ours_file = Path(__file__).resolve().parents[2] / "results" / "bench_sampling.json"
     ours = json.loads(ours_file.read_text())["corl_jax"] if ours_file.exists() else []
     rows, ratios, skipped = [], [], []
 

@@ -2,10 +2,10 @@
 
 One optimiser step of `corl_jax.cohort.update` (the trainer's own jitted update: fp32 master weights, bf16 compute,
 vocabulary-safe chunked log-probs, micro-batch gradient accumulation, global-norm clip + AdamW) on 128 sequences of
-768 tokens (256 prompt + 512 completion), random weights. The peer, `experiments/peers/hf_train_bench.py` (a copy of
+768 tokens (256 prompt + 512 completion), random weights. The peer, `experiments/bench/peers/hf_train_bench.py` (a copy of
 shared/bench/hf_train_bench.py), runs in the same command on the same GPU.
 
-    python experiments/bench_train.py --out experiments/results/bench_train.json [--peer]
+    python experiments/bench/bench_train.py --out experiments/results/bench_train.json [--peer]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue 6 evidence: Co-RL topologies and baselines on the arithmetic world's demo bases, several seeds each.
 
-    python experiments/demo_sweep.py --out experiments/results/demo_sweep [--seeds 0,1,2] [--parallel 8]
+    python experiments/evidence/demo_sweep.py --out experiments/results/demo_sweep [--seeds 0,1,2] [--parallel 8]
 
 1. Builds the three `demo:<family>` bases (one process each) and measures each one's test accuracy (T=0.6) twice,
    with two sampling seeds, for the Cohen's kappa of per-problem correctness between every pair of bases (a base
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import scipy.stats
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ("qwen2", "llama", "qwen3")
 # name -> (config file, overrides with {variant} filled in); a pair's agents are (qwen25, llama32) in
 # pair_different_family.py.
@@ -59,7 +59,8 @@ def mean_ci(values) -> dict:
 
 def measure_bases(num_test: int) -> dict:
     """Each base's test accuracy (two sampling seeds) and the kappa of per-problem correctness between bases."""
-    from corl_jax import arithmetic, demo_bases
+    from corl_jax.demo import arithmetic
+    from corl_jax.demo import bases as demo_bases
     from corl_jax.voting import cohens_kappa
 
     test = arithmetic.generate("test", num_test, **arithmetic.DEMO_WORLD)
@@ -206,7 +207,7 @@ def main() -> None:
     payload = dict(command=" ".join(sys.argv), runs=[], summary={})
     save = lambda: (out / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")  # noqa: E731
     if args.variant == "demo":
-        from corl_jax.demo_bases import build_all
+        from corl_jax.demo.bases import build_all
 
         build_all(FAMILIES)
         payload["bases"] = measure_bases(args.num_test)

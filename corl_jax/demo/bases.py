@@ -1,13 +1,13 @@
-"""Warm-started tiny bases of the arithmetic world: the `demo:<family>` checkpoints (issue 6).
+"""Warm-started tiny bases of the arithmetic world: the `demo:<family>` checkpoints.
 
 Each family gets its own architecture, size, tokenizer and seed (`RECIPES`), and is made by a short supervised
-fine-tuning (SFT) of a random init on the `sft` split of `corl_jax.arithmetic`: the chat prompt exactly as RL will
+fine-tuning (SFT) of a random init on the `sft` split of `corl_jax.demo.arithmetic`: the chat prompt exactly as RL will
 present it (`chat_prompt(tokenizer, problem.text)`), then the worked solution and the EOS token, with the loss on
 the solution tokens only. The result is an ordinary HF checkpoint directory, built once into
 `<cache_root()>/zoo/demo-<family>-<recipe hash>` and loaded by `from_pretrained` like any real model;
 `demo_base.json` in it records the recipe, the SFT loss curve and the build time.
 
-`python -m corl_jax.demo_bases [--families=qwen2,llama --num_test=500]` builds the bases and prints each one's
+`python -m corl_jax.demo.bases [--families=qwen2,llama --num_test=500]` builds the bases and prints each one's
 held-out accuracy and the Cohen's kappa of their per-problem correctness (their error overlap).
 """
 
@@ -32,7 +32,8 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from corl_jax import arithmetic, zoo
+from corl_jax import registry
+from corl_jax.demo import arithmetic, checkpoints
 from corl_jax.optim import make_optimizer
 from corl_jax.tokenization import bucket_length, build_prompt_text, chat_prompt, stop_token_ids
 
@@ -43,7 +44,7 @@ RECORD_FILE = "demo_base.json"
 class Recipe:
     """How one family's base is made.
 
-    architecture: HF config.json fields overriding `zoo.TINY_ARCHITECTURES[family]`.
+    architecture: HF config.json fields overriding `checkpoints.TINY_ARCHITECTURES[family]`.
     tokenizer: "char" (one token per byte) or "bpe" (trained on the SFT corpus up to `vocab_size` tokens);
         `digit_group` digits at most per number token (1 like Qwen, 3 like Llama 3, 0: numbers not split, like GPT-2).
     num_examples / levels / word_fraction / max_value: how many `sft` problems, from which arithmetic world
@@ -99,15 +100,15 @@ def recipe_key(recipe: Recipe) -> str:
 def demo_base_dir(family: str) -> Path:
     """The cached checkpoint directory of `family`'s base, built (atomically) on first use."""
     directory = _cache_dir(family)
-    return zoo._build_once(directory, lambda d: build_demo_base(d, family))
+    return checkpoints.build_once(directory, lambda d: build_demo_base(d, family))
 
 
 def _cache_dir(family: str) -> Path:
-    zoo._check_family(f"demo:{family}", family)
-    return zoo.cache_root() / "zoo" / f"demo-{family}-{recipe_key(RECIPES[family])}"
+    registry.check_family(f"demo:{family}", family)
+    return checkpoints.cache_root() / "zoo" / f"demo-{family}-{recipe_key(RECIPES[family])}"
 
 
-def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None) -> dict[str, Path]:
+def build_all(families: Sequence[str] = registry.FAMILIES, workers: int | None = None) -> dict[str, Path]:
     """Build (or find cached) the bases of `families`; returns family -> directory.
 
     On a CPU backend, missing bases are built side by side, one single-threaded process each, `workers` at once
@@ -116,7 +117,7 @@ def build_all(families: Sequence[str] = zoo.FAMILIES, workers: int | None = None
     process (experiments/results/demo_timing.json); the weights are bit-identical (tests/test_demo_bases.py). On an
     accelerator they are built here, one after another (fast there, and child processes could not share its
     memory)."""
-    missing = [f for f in dict.fromkeys(families) if not zoo.is_built(_cache_dir(f))]
+    missing = [f for f in dict.fromkeys(families) if not checkpoints.is_built(_cache_dir(f))]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(len(missing), workers or cores)
     if workers > 1 and jax.default_backend() == "cpu":
@@ -141,7 +142,7 @@ def _build_in_subprocess(family: str, slot: int) -> None:
     """Build `family`'s base (its current recipe) into the cache in a single-threaded CPU child process whose
     progress bar is on terminal line `slot`."""
     env = dict(single_threaded_cpu_env(), TQDM_POSITION=str(slot))
-    code = "import sys; from corl_jax import demo_bases; demo_bases._build_once_from_json(*sys.argv[1:])"
+    code = "import sys; from corl_jax.demo import bases; bases.build_once_from_json(*sys.argv[1:])"
     recipe = json.dumps(dataclasses.asdict(RECIPES[family]))
     result = subprocess.run([sys.executable, "-c", code, family, str(_cache_dir(family)), recipe], env=env)
     if result.returncode:
@@ -156,10 +157,11 @@ def single_threaded_cpu_env() -> dict:
                 XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip())
 
 
-def _build_once_from_json(family: str, directory: str, recipe_json: str) -> None:
+def build_once_from_json(family: str, directory: str, recipe_json: str) -> None:
+    """Build `family`'s base with the recipe fields of `recipe_json` into `directory` (the child of `build_all`)."""
     fields = json.loads(recipe_json)
     fields["levels"] = tuple(fields["levels"])
-    zoo._build_once(Path(directory), lambda d: build_demo_base(d, family, **fields))
+    checkpoints.build_once(Path(directory), lambda d: build_demo_base(d, family, **fields))
 
 
 def build_demo_base(directory, family: str, **overrides) -> dict:
@@ -174,7 +176,7 @@ def build_demo_base(directory, family: str, **overrides) -> dict:
                f"{recipe.architecture}) into {directory}")
     problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, **recipe.world)
     corpus = [text for p in problems for text in (build_prompt_text(p.text), p.rephrased, p.solution)]
-    zoo.build_random_checkpoint(directory, family, seed=recipe.seed, tokenizer_kind=recipe.tokenizer,
+    checkpoints.build_random_checkpoint(directory, family, seed=recipe.seed, tokenizer_kind=recipe.tokenizer,
                                 corpus=corpus, vocab_size=recipe.vocab_size, digit_group=recipe.digit_group,
                                 **recipe.architecture)
     policy = from_pretrained(directory, dtype=jnp.float32)
@@ -292,7 +294,7 @@ def sample_texts(directory, problems, *, temperature: float, num_samples: int, m
     return texts
 
 
-def report(families: Sequence[str] = zoo.FAMILIES, num_test: int = arithmetic.DEFAULT_SIZES["test"]) -> dict:
+def report(families: Sequence[str] = registry.FAMILIES, num_test: int = arithmetic.DEFAULT_SIZES["test"]) -> dict:
     """Build (or find) the bases, print each one's test accuracy (T=0.6 and greedy) and the Cohen's kappa of
     their per-problem correctness at T=0.6; returns {(family, temperature): correctness [num_test]}."""
     from corl_jax.voting import cohens_kappa
@@ -316,7 +318,7 @@ def report(families: Sequence[str] = zoo.FAMILIES, num_test: int = arithmetic.DE
 if __name__ == "__main__":
     from absl import app, flags
 
-    _FAMILIES = flags.DEFINE_list("families", list(zoo.FAMILIES), "families to build and measure")
+    _FAMILIES = flags.DEFINE_list("families", list(registry.FAMILIES), "families to build and measure")
     _NUM_TEST = flags.DEFINE_integer("num_test", arithmetic.DEFAULT_SIZES["test"], "test problems to measure on")
 
     def _main(argv):

@@ -21,7 +21,7 @@ wrong functions, a crashing one, a truncated block and prose without code, each 
 completions share code (no de-duplication: the worst case); measured once without and once with `--loop-fraction`
 of the wrong ones never returning (each of their calls then waits for the 2 s timer, as in the reference).
 
-    PYTHONPATH=. python experiments/bench_answers.py [--steps 8] [--sections math,code] [--code-steps 3]
+    PYTHONPATH=. python experiments/bench/bench_answers.py [--steps 8] [--sections math,code] [--code-steps 3]
         [--out experiments/results/bench_answers.json]
 
 With `--sections code` only the "code_task" entry of an existing JSON is replaced.
@@ -41,11 +41,10 @@ import sys
 import time
 
 import jax
+import ml_collections
 import numpy as np
 import psutil
 import sympy
-
-import ml_collections
 
 from corl_jax import voting
 from corl_jax.answers import code as code_answers
@@ -498,7 +497,7 @@ def main():
     parser.add_argument("--code-steps", type=int, default=3, help="distinct code steps measured (16 new problems each)")
     parser.add_argument("--loop-fraction", type=float, default=0.01,
                         help="fraction of the wrong code completions that never return (measured besides none)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_answers.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results", "bench_answers.json"))
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     if not sections <= {"math", "code"}:

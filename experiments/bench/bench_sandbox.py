@@ -7,7 +7,7 @@ the kernel layers active (`sandbox_confinement`). With `--baseline`, another che
 `corl_jax/answers/code.py` (e.g. `git worktree add /tmp/base <commit>`) is timed interleaved with
 this one, call for call, so that load from other processes hits both alike.
 
-    PYTHONPATH=. python experiments/bench_sandbox.py [--repeats 30] [--baseline /tmp/base/corl_jax/answers/code.py]
+    PYTHONPATH=. python experiments/bench/bench_sandbox.py [--repeats 30] [--baseline /tmp/base/corl_jax/answers/code.py]
 """
 
 from __future__ import annotations

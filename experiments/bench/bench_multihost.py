@@ -4,11 +4,11 @@ What a multi-process run pays per step for its labels (corl_jax/multihost.py, do
   gather     every process reads each agent's completion tokens [128, T] (batch-sharded over all processes) with
              `multihost.to_host` (process_allgather): the texts every process decodes;
   labels     process 0 alone extracts, normalises, votes and grades (`voting.score_step`, cold caches, the
-             completions of experiments/bench_answers.py);
+             completions of experiments/bench/bench_answers.py);
   broadcast  process 0's rewards [3, 16, 8] float32 reach every process (`multihost.broadcast`).
 It starts `--processes` local processes (CPU devices, gloo collectives) and saves the medians as JSON.
 
-    PYTHONPATH=. python experiments/bench_multihost.py [--processes 2] [--devices 4] [--tokens 1024]
+    PYTHONPATH=. python experiments/bench/bench_multihost.py [--processes 2] [--devices 4] [--tokens 1024]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="completion length T of the gathered tokens")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_multihost.json"))
+    parser.add_argument("--out", default=os.path.join(HERE, "..", "results", "bench_multihost.json"))
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tmp", default=None, help=argparse.SUPPRESS)

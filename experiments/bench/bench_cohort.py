@@ -5,7 +5,7 @@ compute), 16 prompts x G=8 completions of up to `--max-new` tokens each (random 
 completion runs to the limit: the worst case), answers + votes + rewards on the host, then one GRPO update per agent.
 The first step compiles; the second is timed.
 
-    python experiments/bench_cohort.py --out experiments/results/bench_cohort.json
+    python experiments/bench/bench_cohort.py --out experiments/results/bench_cohort.json
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from corl_jax import arithmetic
 from corl_jax.cohort import Cohort, make_agent
 from corl_jax.config import agent_config, base_config
 from corl_jax.data import PromptBlock
+from corl_jax.demo import arithmetic
+from corl_jax.demo.checkpoints import CHAT_STYLE
+from corl_jax.demo.tokenizers import build_tokenizer
 from corl_jax.models import Decoder, ModelConfig, Policy
 from corl_jax.models.config import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
 from corl_jax.sampling.engine import DECODE_ATTENTION_IMPLS
-from corl_jax.tokenization import build_tokenizer, load_tokenizer
-from corl_jax.zoo import CHAT_STYLE
+from corl_jax.tokenization import load_tokenizer
 from shapes import SHAPES
 
 

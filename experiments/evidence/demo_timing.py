@@ -1,6 +1,6 @@
 """Issue 6: how long the README's first command takes from an empty cache, and what the machine gave it.
 
-    python experiments/demo_timing.py --out experiments/results/demo_timing.json [--cores 0,1] [-- --config.X=...]
+    python experiments/evidence/demo_timing.py --out experiments/results/demo_timing.json [--cores 0,1] [-- --config.X=...]
 
 Runs `python -m corl_jax.train --config=configs/ring3.py:demo` with `CORL_JAX_CACHE` pointing at a new empty
 directory (so the three bases are built first, as on a fresh machine), optionally pinned to `--cores` (taskset).
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cpu_jiffies() -> dict[str, int]:

@@ -8,17 +8,17 @@ plus the KV cache of every row; with the average context Tp + T/2,
   step_bytes = 2 * n_params + B * (Tp + T/2) * kv_bytes_per_token,   roofline tok/s = B / (step_bytes / 4.3e12).
 
 Usage (GPU; each part prints a table and writes one JSON):
-  python experiments/bench_sampling.py --out experiments/results/bench_sampling.json
-  python experiments/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --variants pallas,xla-seg128 \
+  python experiments/bench/bench_sampling.py --out experiments/results/bench_sampling.json
+  python experiments/bench/bench_sampling.py --models qwen2.5-1.5b --new-tokens 512 --variants pallas,xla-seg128 \
       --hf-peer none --profile-steps 24 --dump-dir /tmp/profile
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import functools
 import gzip
+import importlib.metadata
 import json
 import os
 import platform
@@ -29,9 +29,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from shapes import SHAPES
-
 from corl_jax.sampling import engine
+from shapes import SHAPES
 
 HBM_BYTES_PER_S = 4.3e12
 _GRAPHS = {"xla_gpu_enable_command_buffer": engine.GPU_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"]}
@@ -123,9 +122,8 @@ def measure(args, name, model, config, n_params, ids, mask, params, new_tokens, 
     """One sampler variant at one length: compile, then time `args.repeats` full generations."""
     import jax
 
-    from corl_jax.sampling import Buckets, Sampler
-
     from corl_jax.models import decode_attention
+    from corl_jax.sampling import Buckets, Sampler
 
     attention, kv_block, options, kernel = VARIANTS[variant]
     # kernel block sizes are not a Sampler setting: this script swaps the engine's kernel for a tuned partial

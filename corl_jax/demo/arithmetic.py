@@ -1,4 +1,4 @@
-"""The synthetic arithmetic world: integer-answer problems a laptop-sized model can learn (issue 6).
+"""The synthetic arithmetic world: integer-answer problems a laptop-sized model can learn.
 
 Two kinds of problem, each a chain of 2-5 integer operations (its `level`):
   * expressions such as "(17 + 5) * 3 - 8": a random tree whose every intermediate value is a whole number in
@@ -21,10 +21,11 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from urllib.parse import parse_qsl
 
 import numpy as np
 
-from corl_jax.data import Problem
+from corl_jax.problems import DataError, Problem
 
 SPLITS = ("sft", "rl", "test")
 SPLIT_SHARES = (0.5, 0.3, 0.2)  # share of the canonical problem space that belongs to each split
@@ -157,6 +158,24 @@ def write_splits(out_dir: str, sizes: Mapping[str, int] = DEFAULT_SIZES, seed: i
 
 # ------------------------------------------------------------------------------------------------------ expressions
 # A tree is an int (a leaf) or a tuple (op, left, right).
+
+
+def problems_from_spec(spec: str) -> list[Problem]:
+    """The problems of a source string `arithmetic[:split][?setting=value&...]` (split `rl` by default; settings are
+    `generate` keywords; `corl_jax.data.arithmetic_source` writes such strings), resolved through corl_jax.registry."""
+    source, _, query = spec.partition("?")
+    split = source.partition(":")[2] or "rl"
+    types = {"levels": lambda v: tuple(int(x) for x in v.split(",")), "word_fraction": float, "max_value": int,
+             "rephrasing": str}
+    fix = (f"Fix: use 'arithmetic[:split][?setting=value&...]' with a split of {SPLITS} and settings "
+           f"{sorted(types)}, e.g. 'arithmetic:test?levels=2,3&max_value=60'")
+    try:
+        settings = {key: types[key](value) for key, value in parse_qsl(query, strict_parsing=bool(query))}
+        return generate(split, **settings)
+    except KeyError as e:
+        raise DataError(f"{spec}: unknown setting {e}. {fix}") from e
+    except ValueError as e:
+        raise DataError(f"{spec}: {e}. {fix}") from e
 
 
 def _expression_item(rng: np.random.Generator, n_ops: int, max_value: int, rephrasing: str) -> Item:

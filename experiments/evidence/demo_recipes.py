@@ -1,6 +1,6 @@
 """Issue 6: which warm-start recipes make CPU-cheap demo bases of moderate accuracy.
 
-    python experiments/demo_recipes.py --out experiments/results/demo_recipes [--only NAME,...] [--parallel 16]
+    python experiments/evidence/demo_recipes.py --out experiments/results/demo_recipes [--only NAME,...] [--parallel 16]
 
 Each candidate (`CANDIDATES`: a family and `demo_bases.Recipe` overrides) is built with
 `demo_bases.build_demo_base` in its own subprocess, then measured with `demo_bases.measure_accuracy` (one sample
@@ -23,9 +23,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from corl_jax import arithmetic, demo_bases  # noqa: E402
+from corl_jax.demo import arithmetic  # noqa: E402
+from corl_jax.demo import bases as demo_bases  # noqa: E402
+
 
 def _arch(hidden, intermediate, layers, kv_heads=2, head_dim=None) -> dict:
     """HF config fields of a 4-head candidate shape (head_dim None: hidden / heads)."""
@@ -111,8 +113,8 @@ def run_candidate(name: str, num_test: int, workdir: Path) -> dict:
     import jax
     import numpy as np
 
-    from corl_jax import demo_bases
     from corl_jax.answers.math import extract_answer, grade_answer
+    from corl_jax.demo import bases as demo_bases
 
     family, overrides = CANDIDATES[name]
     directory = workdir / name

@@ -10,8 +10,8 @@ subprocess; the JSON holds the commands, per-phase wall time, the per-step time 
 from metrics.jsonl: `time/*`, `memory/*`) and the eval's accuracy cells. Random weights: rewards are ~0; this is a
 shape, memory and entry-point proof.
 
-  python experiments/paper_shape_run.py --workdir=/dev/shm/paper_shape --out=experiments/results/paper_shape_run.json
-  python experiments/paper_shape_run.py --size=tiny --workdir=/tmp/ps --out=/tmp/paper_shape_tiny.json   # CPU smoke
+  python experiments/bench/paper_shape_run.py --workdir=/dev/shm/paper_shape --out=experiments/results/paper_shape_run.json
+  python experiments/bench/paper_shape_run.py --size=tiny --workdir=/tmp/ps --out=/tmp/paper_shape_tiny.json   # CPU smoke
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAPER = {"qwen25": "Qwen/Qwen2.5-3B", "llama32": "meta-llama/Llama-3.2-3B-Instruct", "qwen3": "Qwen/Qwen3-1.7B-Base"}
 # CPU-sized shapes of the same three families: one layer, small widths, a vocabulary above the tokenizer's 259 ids.
 _TINY = "num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2"

@@ -1,6 +1,6 @@
 """MATH-500 generation at the reference's eval settings: `corl_jax.eval`'s sampling path vs transformers `generate`.
 
-Random bf16 weights at a real model shape (experiments/shapes.py; no download) with a byte-level tokenizer, so the
+Random bf16 weights at a real model shape (experiments/bench/shapes.py; no download) with a byte-level tokenizer, so the
 prompts are the MATH-500 problems in the reference's chat prompt, one token per byte. Settings as the reference's
 final suite: T=0.6, top-p 0.95, up to 3072 new tokens with prompt + completion <= 4096 (vLLM max_model_len); random
 weights never stop early, so every completion runs to its budget. Prompts are sorted by length and cut into batches
@@ -10,8 +10,8 @@ Ours runs every problem (compile time reported apart); the transformers peer run
 same length-sorted order (a full MATH-500 pass at its speed would not fit one device command), and ours is also timed
 on exactly that subset, so the ratio compares the same prompts and tokens.
 
-  python experiments/bench_eval.py --out experiments/results/bench_eval.json      # H200: Qwen2.5-1.5B shape
-  python experiments/bench_eval.py --tiny --out /tmp/bench_eval_tiny.json          # CPU smoke run
+  python experiments/bench/bench_eval.py --out experiments/results/bench_eval.json      # H200: Qwen2.5-1.5B shape
+  python experiments/bench/bench_eval.py --tiny --out /tmp/bench_eval_tiny.json          # CPU smoke run
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from shapes import SHAPES
-
 from bench_sampling import device_name, versions
+from shapes import SHAPES
 
 
 def build_checkpoint(directory: Path, shape: str) -> Path:
     """A random checkpoint of `shape` with the real vocabulary size and a byte-level ChatML tokenizer."""
     from flax import nnx
 
+    from corl_jax.demo.tokenizers import build_tokenizer
     from corl_jax.models import Decoder, ModelConfig, Policy, save_pretrained
-    from corl_jax.tokenization import build_tokenizer
 
     family, fields = SHAPES[shape]
     tokenizer = build_tokenizer(directory, "char", style="chatml")
