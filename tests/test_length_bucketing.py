@@ -11,10 +11,11 @@ import pytest
 from flax import nnx
 
 from config_files import load_config
-from corl_jax import arithmetic, grpo
+from corl_jax import grpo
 from corl_jax.cohort import Cohort, bucket_plan, completion_widths, load_agents, padded_flops_fraction
 from corl_jax.config import validate
 from corl_jax.data import PromptBlock
+from corl_jax.demo import arithmetic
 from corl_jax.models import Decoder, ModelConfig
 from test_grpo import T, _jax_loss_fn, _toy_model_batch
 

@@ -12,7 +12,7 @@ from flax import nnx
 from config_files import load_config
 from corl_jax.cohort import agent_meshes
 from corl_jax.models import Decoder, ModelConfig
-from corl_jax.models.sharding import make_mesh, shard_model
+from corl_jax.models.sharding import make_mesh, state_shardings
 from corl_jax.optim import init_opt_state, make_optimizer, opt_state_shardings
 
 TINY = dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,10 +76,8 @@ def test_a_mesh_over_every_process_passes_the_process_check(monkeypatch):
 
 
 def _params(mesh=None):
-    model = Decoder(ModelConfig.from_hf_dict(TINY), rngs=nnx.Rngs(0))
-    if mesh is not None:
-        shard_model(model, mesh)
-    return nnx.split(model)[1]
+    params = nnx.split(Decoder(ModelConfig.from_hf_dict(TINY), rngs=nnx.Rngs(0)))[1]
+    return params if mesh is None else jax.device_put(params, state_shardings(params, mesh))
 
 
 def test_adamw_moments_are_sharded_like_their_parameters_and_step_like_the_default():

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from corl_jax.zoo import resolve_model_path
 from flax import nnx
 
 from corl_jax import compile_check
 from corl_jax.models.paper_shapes import PAPER_MODELS
+from corl_jax.registry import resolve_model_path
 from corl_jax.stand_ins import load_policy
 from corl_jax.tokenization import decode_completions
 
