@@ -59,7 +59,8 @@ def test_sharded_decoder_forward_matches_xla():
     c = _config(4, 2, 64)
     model = Decoder(c, rngs=nnx.Rngs(0))
     mesh = sharding.make_mesh(data=2, tensor=2, devices=jax.devices()[:4])
-    sharding.shard_model(model, mesh)
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, sharding.state_shardings(state, mesh)))
     B, T = 4, 10
     ids = jax.random.randint(jax.random.key(1), (B, T), 0, 64)
     token_mask = jnp.arange(T)[None] >= jnp.asarray([0, 3, 6, 1])[:, None]
