@@ -323,17 +323,15 @@ def _accumulate(graphdef, params, grad_sum, loss_sum, micro, prompt_len: int, s:
 _apply_jit = jax.jit(_apply, static_argnums=(0, 6), donate_argnums=(1, 2))
 
 
-def bucketed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings, bucket: int):
-    """`update` with micro-batches of rows sorted by completion length, each trimmed to its longest row rounded up
-    to `bucket` columns (one compiled program per width). The row weights are computed in the batch's (reference)
-    order before sorting, so loss and gradient equal `update`'s up to float summation order; metrics likewise."""
-    num_rows, max_width = batch["completion_mask"].shape
-    prompt_len = batch["tokens"].shape[1] - max_width
+def bucketed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings,
+                    plan: tuple[np.ndarray, np.ndarray, np.ndarray]):
+    """`update` over the micro-batches of `plan` (`bucket_plan`: rows sorted by completion length, each micro-batch
+    trimmed to its bucket widths; one compiled program per width pair). The row weights are computed in the batch's
+    (reference) order before sorting, so loss and gradient equal `update`'s up to float summation order; metrics
+    likewise."""
+    prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
     batch = dict(batch, row_weights=_row_weights(batch["completion_mask"], s))
-    attention = jax.device_get(batch["attention"])
-    widths = completion_widths(attention, prompt_len)
-    order, prompt_widths, micro_widths = bucket_plan(attention[:, :prompt_len].sum(axis=1), widths, s.num_micro,
-                                                     bucket, prompt_len, max_width)
+    order, prompt_widths, micro_widths = plan
     grads = jax.tree.map(jnp.zeros_like, params)
     loss, rows = jnp.zeros((), jnp.float32), []
 
@@ -487,12 +485,15 @@ class Cohort:
         if agent.ref_params is not None:
             batch["ref_logp"] = score(agent.graphdef, agent.ref_params, batch["tokens"],
                                       batch["attention"], prompt_len, self.settings)[0]
+        attention = multihost.to_host(batch["attention"])  # the bucket plan and the padded-FLOPs metric read it
+        prompt_tokens, widths = attention[:, :prompt_len].sum(axis=1), completion_widths(attention, prompt_len)
+        plan = bucket_plan(prompt_tokens, widths, self.settings.num_micro, g.length_bucket, prompt_len,
+                           attention.shape[1] - prompt_len)
         shardings = jax.tree.map(lambda x: x.sharding, (agent.params, agent.opt_state))
         for _ in range(g.num_iterations):
             if g.length_bucket:
                 params, opt_state, metrics = _on_mesh(bucketed_update, agent.mesh)(
-                    agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch, self.settings,
-                    g.length_bucket)
+                    agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch, self.settings, plan)
             else:
                 params, opt_state, metrics = train(agent.graphdef, agent.optimizer, agent.params, agent.opt_state,
                                                    batch, self.settings)
@@ -501,12 +502,7 @@ class Cohort:
             agent.params, agent.opt_state = jax.device_put((params, opt_state), shardings)
         c = rollouts.completions
         metrics, correction, lengths, truncated = multihost.to_host((metrics, correction, c.lengths, c.truncated))
-        attention = multihost.to_host(batch["attention"])
-        prompt_tokens, widths = attention[:, :prompt_len].sum(axis=1), completion_widths(attention, prompt_len)
-        metrics["update/padded_flops_fraction"] = padded_flops_fraction(
-            agent.policy.config, prompt_tokens, widths, bucket_plan(
-                prompt_tokens, widths, self.settings.num_micro, g.length_bucket, prompt_len,
-                attention.shape[1] - prompt_len))
+        metrics["update/padded_flops_fraction"] = padded_flops_fraction(agent.policy.config, prompt_tokens, widths, plan)
         terminated = lengths[~truncated] if (~truncated).any() else np.zeros(1, lengths.dtype)
         agent.tokens_seen += int(rollouts.prompt_mask.sum()) * r.num_generations + int(lengths.sum())
         first_update = (step - 1) * g.num_iterations

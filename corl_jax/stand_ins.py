@@ -38,7 +38,7 @@ def resolve_random_path(model_path: str) -> str:
     name = "random-" + model_path[len(SCHEME):].replace("/", "--").replace("@", "-").replace("=", "").replace(",", "-")
 
     def build(directory: Path) -> None:
-        from corl_jax.tokenization import build_tokenizer
+        from corl_jax.demo.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(directory, "char", style=CHAT_STYLE[family])
         hf.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
