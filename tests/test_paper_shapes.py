@@ -25,6 +25,12 @@ def test_compile_check_reads_the_shared_table():
     assert compile_check.PAPER_MODELS is PAPER_MODELS
 
 
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch):
+    """Every `random:` path is built here, not found in a warm cache (building is cheap: a config and a tokenizer)."""
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path / "cache"))
+
+
 def test_random_path_has_the_hub_shape_and_no_weights_on_disk():
     directory = Path(resolve_model_path("random:Qwen/Qwen2.5-3B"))
     hf = json.loads((directory / "config.json").read_text())
