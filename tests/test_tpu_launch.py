@@ -74,7 +74,7 @@ def test_runs_the_documented_commands(marker, args, fake, tmp_path):
     name = next(a.split("=")[1] for a in args if a.startswith("--name="))
     with tarfile.open(tmp_path / f"corl_jax-{name}.tgz") as shipped:  # the checkout went out
         names = shipped.getnames()
-    assert {"setup.py", "corl_jax/train.py", "tpu_scripts/launch.sh"} <= set(names)
+    assert {"pyproject.toml", "corl_jax/train.py", "tpu_scripts/launch.sh"} <= set(names)
     # the dry run prints the same commands and calls nothing
     project = [] if "--project=my-project" in args else ["--project=my-project"]  # a dry run cannot ask gcloud
     dry, after = fake("--dry-run", *project, *args)
