@@ -87,7 +87,7 @@ def run_phase(name: str, command: list[str], phases: dict) -> None:
 
 
 _PROBE = ("import json, platform, jax, flax, optax, orbax.checkpoint as ocp\n"
-          "from corl_jax.zoo import resolve_model_paths\n"
+          "from corl_jax.registry import resolve_model_paths\n"
           "paths = resolve_model_paths({paths!r})\n"
           "print(json.dumps(dict(device=jax.devices()[0].device_kind, device_count=jax.device_count(),\n"
           "    versions=dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,\n"
