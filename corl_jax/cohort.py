@@ -244,9 +244,9 @@ def score_completions(graphdef, params, tokens, attention, prompt_len: int, s: U
 def _loss_fn(graphdef, s: UpdateSettings, prompt_len: int, params, micro):
     logp, entropy, _ = _completion_logprobs(graphdef, params, micro["tokens"], micro["attention"], prompt_len, s)
     return grpo.grpo_loss(
-        logp, micro.get("old_logp"), micro["advantages"], micro["completion_mask"], loss_type=s.loss_type,
+        logp, micro.get("old_logp"), micro["advantages"], micro["completion_mask"], micro["row_weights"],
         eps_low=s.eps_low, eps_high=s.eps_high, beta=s.beta, ref_logp=micro.get("ref_logp"),
-        is_ratio=micro.get("is_ratio"), entropy=entropy, row_weights=micro["row_weights"])
+        is_ratio=micro.get("is_ratio"), entropy=entropy)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

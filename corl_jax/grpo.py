@@ -194,62 +194,34 @@ def grpo_loss(
     old_logp: jax.Array | None,
     advantages: jax.Array,
     mask: jax.Array,
+    row_weights: jax.Array,
     *,
-    loss_type: str = "bnpo",
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     beta: float = 0.0,
     ref_logp: jax.Array | None = None,
     is_ratio: jax.Array | None = None,
-    max_completion_length: int | None = None,
-    num_items_in_batch: jax.Array | int | None = None,
-    total_rows: int | None = None,
-    group_size: int | None = None,
     entropy: jax.Array | None = None,
-    row_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped GRPO surrogate of one micro-batch of B rows, as the reference's TRL aggregates it.
+    """Clipped GRPO surrogate of B rows: their share sum_rows w * sum_t m l of the step loss.
 
     Per token: l = -min(c A, clip(c, 1 - eps_low, 1 + eps_high) A) * is_ratio + beta * k3 with
     c = exp(logp - old_logp) (old_logp=None: stop_gradient(logp), i.e. c == 1) and
-    k3 = exp(ref - logp) - (ref - logp) - 1. With N = ``total_rows`` (rows of the whole accumulated
-    batch; default B) and masked tokens m, the micro-batch's share of the step loss is
-      grpo:    sum over rows of (sum_t m l / max(1, sum_t m)), / N
-      bnpo:    sum over groups of ``group_size`` consecutive rows (default B) of
-               (sum m l / max(1, sum m)), / (N / group_size)
-      dr_grpo: sum m l / (N * max_completion_length)
-      dapo:    sum m l / num_items_in_batch (mask tokens of the whole accumulated batch)
-    i.e. TRL's loss of a micro-batch of ``group_size`` rows divided by its accumulation steps
-    N / group_size; summed over micro-batches (``accumulate_grads``) it is the reference's step loss
-    whatever size the micro-batches have, as long as they hold whole groups. ``row_weights`` [B] (from
-    ``loss_row_weights`` of the whole batch) replaces this aggregation by sum_rows w * sum_t m l: the same step
-    loss for micro-batches of any rows, in any order and of any trimmed width.
+    k3 = exp(ref - logp) - (ref - logp) - 1; m is the mask. ``row_weights`` [B] come from ``loss_row_weights`` of
+    the whole step's mask and carry the loss type's normalisation (the reference's TRL aggregation), so summed over
+    micro-batches of any rows, in any order and of any trimmed width (``accumulate_grads``), it is the reference's
+    step loss.
 
     Returns (float32 loss, row sums): per row [B], the masked token sums ``tokens`` (sum m),
     ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region`` (TRL: c below 1 - eps_low with
     A < 0, above 1 + eps_high with A > 0, either), ``kl`` (beta != 0) and ``entropy`` (when given);
     ``loss_metrics`` turns them into TRL's metrics.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {loss_type!r}")
-    if row_weights is not None:
-        loss_type = "weighted"
-    elif loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-    if loss_type == "dapo" and num_items_in_batch is None:
-        raise ValueError("loss_type='dapo' needs num_items_in_batch (mask tokens of the accumulated batch)")
     if beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp (log-probs of the frozen reference policy)")
-    if advantages.shape != logp.shape[:1] or mask.shape != logp.shape:
-        raise ValueError(
-            f"need logp, mask [B, T] and advantages [B]; got {logp.shape}, {mask.shape}, {advantages.shape}"
-        )
-    batch = logp.shape[0]
-    total_rows = batch if total_rows is None else total_rows
-    group_size = batch if group_size is None else group_size
-    if batch % group_size or total_rows % group_size:
-        raise ValueError(f"group_size={group_size} must divide the micro-batch ({batch} rows) and the "
-                         f"accumulated batch ({total_rows} rows)")
+    if advantages.shape != logp.shape[:1] or mask.shape != logp.shape or row_weights.shape != logp.shape[:1]:
+        raise ValueError(f"need logp, mask [B, T], advantages and row_weights [B]; got {logp.shape}, {mask.shape}, "
+                         f"{advantages.shape}, {row_weights.shape}")
 
     mask = mask.astype(jnp.float32)
     old_logp = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
@@ -270,19 +242,7 @@ def grpo_loss(
         rows["kl"] = per_row(kl)
     if entropy is not None:
         rows["entropy"] = per_row(entropy)
-
-    token_sums = per_row(per_token)
-    if loss_type == "weighted":
-        loss = jnp.sum(token_sums * row_weights.astype(jnp.float32))
-    elif loss_type == "grpo":
-        loss = jnp.sum(token_sums / jnp.maximum(rows["tokens"], 1.0)) / total_rows
-    elif loss_type == "bnpo":
-        groups = lambda x: x.reshape(-1, group_size).sum(axis=1)
-        loss = jnp.sum(groups(token_sums) / jnp.maximum(groups(rows["tokens"]), 1.0)) / (total_rows // group_size)
-    elif loss_type == "dr_grpo":
-        loss = jnp.sum(token_sums) / (total_rows * max_completion_length)
-    else:  # dapo
-        loss = jnp.sum(token_sums) / jnp.maximum(jnp.asarray(num_items_in_batch, jnp.float32), 1.0)
+    loss = jnp.sum(per_row(per_token) * row_weights.astype(jnp.float32))
     return loss.astype(jnp.float32), jax.lax.stop_gradient(rows)
 
 
@@ -354,7 +314,7 @@ def accumulate_grads(
     ``batch`` is a pytree of arrays sharing a leading row axis B, cut into ``num_micro`` consecutive
     micro-batches of B / num_micro rows. ``loss_and_grad_fn(params, micro_batch)`` returns
     ``((loss, row_aux), grads)`` (``jax.value_and_grad(..., has_aux=True)`` of ``grpo_loss``-style losses,
-    whose ``total_rows`` / ``num_items_in_batch`` refer to the whole batch, so the sum is the step loss).
+    whose row weights refer to the whole batch, so the sum is the step loss).
     Returns ((summed loss, row_aux of all B rows in batch order), summed grads in params' dtypes).
     """
     leaves = jax.tree.leaves(batch)

@@ -164,15 +164,17 @@ def test_grpo_loss_values_metrics_and_gradients_match_trl(loss_type, shift, beta
     old = None if shift is None else (base + rng.normal(size=base.shape) * shift).astype(np.float32)
     ref = (base + rng.normal(size=base.shape) * 0.3).astype(np.float32)
     is_ratio = rng.uniform(0.5, 3.0, size=base.shape).astype(np.float32) if use_is else None
-    kwargs = dict(max_completion_length=T, num_items_in_batch=float(mask.sum()) + 7.0)
+    # This micro-batch is the first of 3 accumulated ones (TRL's ga=3); the step's other rows only set the weights.
+    step_mask = np.concatenate([mask, _data(5)[3], _data(6)[3]])
+    kwargs = dict(max_completion_length=T, num_items_in_batch=float(step_mask.sum()))
+    weights = grpo.loss_row_weights(jnp.asarray(step_mask), loss_type=loss_type, group_size=B,
+                                    max_completion_length=T)[:B]
 
     def ours(h, w):
         logp = grpo.token_logprobs(h, w, jnp.asarray(targets), chunk_size=4)
-        return grpo.grpo_loss(  # this micro-batch is one of 3 accumulated ones
-            logp, None if old is None else jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
-            loss_type=loss_type, beta=beta, ref_logp=jnp.asarray(ref), total_rows=3 * B, group_size=B,
-            is_ratio=None if is_ratio is None else jnp.asarray(is_ratio), **kwargs,
-        )
+        return grpo.grpo_loss(
+            logp, None if old is None else jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), weights,
+            beta=beta, ref_logp=jnp.asarray(ref), is_ratio=None if is_ratio is None else jnp.asarray(is_ratio))
 
     (loss, rows), (g_h, g_w) = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(
         jnp.asarray(hidden), jnp.asarray(unembed))
@@ -200,10 +202,10 @@ def test_grpo_loss_bnpo_groups_and_metrics_are_per_group():
     hidden, unembed, targets, mask, adv = _data(5)
     logp = grpo.token_logprobs(jnp.asarray(hidden), jnp.asarray(unembed), jnp.asarray(targets))
     old = logp + jnp.asarray(np.random.default_rng(6).normal(size=logp.shape) * 0.6, jnp.float32)
-    grouped, rows = grpo.grpo_loss(logp, old, jnp.asarray(adv), jnp.asarray(mask), group_size=2,
-                                   entropy=-logp)
+    weights = lambda m: grpo.loss_row_weights(jnp.asarray(m), loss_type="bnpo", group_size=2, max_completion_length=T)
+    grouped, rows = grpo.grpo_loss(logp, old, jnp.asarray(adv), jnp.asarray(mask), weights(mask), entropy=-logp)
     halves = [grpo.grpo_loss(logp[i:i + 2], old[i:i + 2], jnp.asarray(adv[i:i + 2]), jnp.asarray(mask[i:i + 2]),
-                             entropy=-logp[i:i + 2]) for i in (0, 2)]
+                             weights(mask[i:i + 2]), entropy=-logp[i:i + 2]) for i in (0, 2)]
     _close(grouped, (halves[0][0] + halves[1][0]) / 2)
     per_half = [grpo.loss_metrics(h[1], 2) for h in halves]
     metrics = grpo.loss_metrics(rows, 2)
@@ -212,22 +214,20 @@ def test_grpo_loss_bnpo_groups_and_metrics_are_per_group():
     _close(metrics["clip_ratio/low_min"], min(h["clip_ratio/low_mean"] for h in per_half))
     _close(metrics["clip_ratio/high_max"], max(h["clip_ratio/high_mean"] for h in per_half))
     assert per_half[0]["clip_ratio/high_mean"] != per_half[1]["clip_ratio/high_mean"]  # min/max are informative
-    with pytest.raises(ValueError, match="group_size=3 must divide"):
-        grpo.grpo_loss(logp, None, jnp.asarray(adv), jnp.asarray(mask), group_size=3)
 
 
-def test_grpo_loss_rejects_bad_configuration():
-    logp, mask, adv = jnp.zeros((2, 3)), jnp.ones((2, 3)), jnp.zeros(2)
+def test_grpo_loss_and_row_weights_reject_bad_configuration():
+    logp, mask, adv, weights = jnp.zeros((2, 3)), jnp.ones((2, 3)), jnp.zeros(2), jnp.ones(2)
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        grpo.grpo_loss(logp, None, adv, mask, loss_type="ppo")
-    with pytest.raises(ValueError, match="num_items_in_batch"):
-        grpo.grpo_loss(logp, None, adv, mask, loss_type="dapo")
-    with pytest.raises(ValueError, match="max_completion_length"):
-        grpo.grpo_loss(logp, None, adv, mask, loss_type="dr_grpo")
+        grpo.loss_row_weights(mask, loss_type="ppo", group_size=2, max_completion_length=3)
+    with pytest.raises(ValueError, match="group_size=3 must divide"):
+        grpo.loss_row_weights(mask, loss_type="bnpo", group_size=3, max_completion_length=3)
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo.grpo_loss(logp, None, adv, mask, beta=0.1)
+        grpo.grpo_loss(logp, None, adv, mask, weights, beta=0.1)
     with pytest.raises(ValueError, match="advantages"):
-        grpo.grpo_loss(logp, None, jnp.zeros((2, 3)), mask)
+        grpo.grpo_loss(logp, None, jnp.zeros((2, 3)), mask, weights)
+    with pytest.raises(ValueError, match="row_weights"):
+        grpo.grpo_loss(logp, None, adv, mask, jnp.ones(3))
 
 
 # ----------------------------------------------------------------------------- advantages / rewards
@@ -319,12 +319,17 @@ def _toy_model_batch(seed, batch):
     return params, {k: jnp.asarray(v) for k, v in data.items()}
 
 
-def _jax_loss_fn(loss_type, num_items, group_size, total_rows):
+def _jax_loss_fn():
+    """Loss and gradient of one micro-batch whose rows carry their step-level weights `w`."""
     def loss_fn(params, mb):
         logp = grpo.token_logprobs(mb["x"] @ params["proj"], params["unembed"], mb["targets"], chunk_size=4)
-        return grpo.grpo_loss(logp, mb["old"], mb["adv"], mb["mask"], loss_type=loss_type, total_rows=total_rows,
-                              group_size=group_size, num_items_in_batch=num_items, max_completion_length=T)
+        return grpo.grpo_loss(logp, mb["old"], mb["adv"], mb["mask"], mb["w"])
     return jax.value_and_grad(loss_fn, has_aux=True)
+
+
+def _with_weights(batch, loss_type, group_size):
+    weights = grpo.loss_row_weights(batch["mask"], loss_type=loss_type, group_size=group_size, max_completion_length=T)
+    return dict(batch, w=weights)
 
 
 def _torch_accumulated(params, batch, loss_type, micro, num_items):
@@ -349,8 +354,8 @@ def test_accumulate_grads_matches_trl_for_any_micro_batch_size(loss_type):
     num_items = jnp.sum(batch["mask"])
     ref_loss, ref_grads = _torch_accumulated(params, batch, loss_type, 2, float(num_items))
     for num_micro in (4, 2, 1):
-        (loss, rows), grads = jax.jit(lambda p, b: grpo.accumulate_grads(
-            _jax_loss_fn(loss_type, num_items, 2, 8), p, b, num_micro))(params, batch)
+        (loss, rows), grads = jax.jit(lambda p, b: grpo.accumulate_grads(_jax_loss_fn(), p, b, num_micro))(
+            params, _with_weights(batch, loss_type, 2))
         _close(loss, ref_loss)
         for key in params:
             _close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-6)
@@ -360,11 +365,11 @@ def test_accumulate_grads_matches_trl_for_any_micro_batch_size(loss_type):
 
 def test_accumulate_grads_rejects_unequal_micro_batches():
     params, batch = _toy_model_batch(7, 6)
-    fn = _jax_loss_fn("bnpo", None, 2, 6)
+    batch = _with_weights(batch, "bnpo", 2)
     with pytest.raises(ValueError, match="num_micro=4 does not split 6 rows"):
-        grpo.accumulate_grads(fn, params, batch, 4)
+        grpo.accumulate_grads(_jax_loss_fn(), params, batch, 4)
     with pytest.raises(ValueError, match="num_micro=0"):
-        grpo.accumulate_grads(fn, params, batch, 0)
+        grpo.accumulate_grads(_jax_loss_fn(), params, batch, 0)
 
 
 # ----------------------------------------------------------------------------- optimiser

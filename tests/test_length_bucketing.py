@@ -17,9 +17,9 @@ from corl_jax.config import validate
 from corl_jax.data import PromptBlock
 from corl_jax.demo import arithmetic
 from corl_jax.models import Decoder, ModelConfig
-from test_grpo import T, _jax_loss_fn, _toy_model_batch
+from test_grpo import T, _torch_accumulated, _toy_model_batch
 
-RTOL = 1e-5  # float32: the bucketed sum differs from the unbucketed one only in summation order
+RTOL, GRAD_TOL = 2e-5, dict(rtol=1e-4, atol=1e-6)  # float32 against the float64 torch reference
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
@@ -27,22 +27,20 @@ def test_row_weights_give_the_reference_loss_for_any_row_order(loss_type):
     """Weights from the reference grouping (2-row groups in batch order), then rows shuffled into micro-batches of 3:
     loss and gradient equal the reference's accumulation over its 2-row micro-batches."""
     params, batch = _toy_model_batch(11, 12)
-    num_items = jnp.sum(batch["mask"])
-    (ref_loss, _), ref_grads = jax.jit(lambda p, b: grpo.accumulate_grads(
-        _jax_loss_fn(loss_type, num_items, 2, 12), p, b, 6))(params, batch)
+    ref_loss, ref_grads = _torch_accumulated(params, batch, loss_type, 2, float(jnp.sum(batch["mask"])))
     weights = grpo.loss_row_weights(batch["mask"], loss_type=loss_type, group_size=2, max_completion_length=T)
     order = np.random.default_rng(0).permutation(12)
     shuffled = {k: v[order] for k, v in dict(batch, w=weights).items()}
 
     def loss_fn(p, mb):
         logp = grpo.token_logprobs(mb["x"] @ p["proj"], p["unembed"], mb["targets"], chunk_size=4)
-        return grpo.grpo_loss(logp, mb["old"], mb["adv"], mb["mask"], loss_type=loss_type, row_weights=mb["w"])
+        return grpo.grpo_loss(logp, mb["old"], mb["adv"], mb["mask"], mb["w"])
 
     (loss, rows), grads = jax.jit(lambda p, b: grpo.accumulate_grads(
         jax.value_and_grad(loss_fn, has_aux=True), p, b, 4))(params, shuffled)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     for key in params:
-        np.testing.assert_allclose(grads[key], ref_grads[key], rtol=RTOL, atol=1e-7)
+        np.testing.assert_allclose(grads[key], ref_grads[key], **GRAD_TOL)
     np.testing.assert_array_equal(rows["tokens"], np.asarray(shuffled["mask"]).sum(1))
 
 
