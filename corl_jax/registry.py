@@ -43,7 +43,7 @@ def resolve_model_path(model_path: str) -> str:
     """A local directory for `model_path`: built-in specs are built on first use; anything else is returned as is."""
     scheme, _, family = model_path.partition(":")
     if scheme == "random" and family:  # a paper checkpoint's shape with random weights (not a family stand-in)
-        return _load("corl_jax.stand_ins:resolve_random_path")(model_path)
+        return str(_load("corl_jax.demo.checkpoints:random_shape_dir")(model_path))
     if scheme in MODEL_PATHS and family:
         check_family(model_path, family)
         return str(_load(MODEL_PATHS[scheme])(family))

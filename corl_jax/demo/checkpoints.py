@@ -9,12 +9,14 @@ The warm-started `demo:<family>` bases (corl_jax.demo.bases) use the same cache 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from corl_jax import registry
+from corl_jax import registry, stand_ins
+from corl_jax.models.paper_shapes import PAPER_MODELS
 
 # HF config.json fields of each family's tiny architecture (vocab_size and token ids come from the tokenizer).
 TINY_ARCHITECTURES = {
@@ -42,6 +44,36 @@ def tiny_checkpoint_dir(family: str) -> Path:
     """The cached random checkpoint of `family` (`tiny:<family>`), built (atomically) on first use."""
     registry.check_family(f"tiny:{family}", family)
     return build_once(cache_root() / "zoo" / f"tiny-{family}", lambda d: build_random_checkpoint(d, family))
+
+
+def random_shape_dir(model_path: str) -> Path:
+    """The cache directory of a `random:<hub id>[@FIELD=N,...]` path (config.json + tokenizer, no weights)."""
+    spec = model_path[len("random:"):]
+    hub_id, _, options = spec.partition("@")
+    if hub_id not in PAPER_MODELS:
+        raise ValueError(f"unknown hub id in model path {model_path!r}; use random:<id> with one of "
+                         f"{', '.join(PAPER_MODELS)}")
+    hf = dict(PAPER_MODELS[hub_id])
+    for option in filter(None, options.split(",")):
+        key, _, value = option.partition("=")
+        if not isinstance(hf.get(key), int) or isinstance(hf[key], bool) or not value.isdigit() or int(value) < 1:
+            sizes = ", ".join(k for k, v in hf.items() if isinstance(v, int) and not isinstance(v, bool))
+            raise ValueError(f"bad option {option!r} in model path {model_path!r}; use random:{hub_id}@FIELD=N,... "
+                             f"with FIELD one of {sizes}")
+        hf[key] = int(value)
+    family = hf["model_type"]  # the `tiny:` family names are the model types
+    name = "random-" + spec.replace("/", "--").replace("@", "-").replace("=", "").replace(",", "-")
+
+    def build(directory: Path) -> None:
+        from corl_jax.demo.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(directory, "char", style=CHAT_STYLE[family])
+        hf.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+        (directory / "config.json").write_text(json.dumps(hf, indent=2))
+        (directory / stand_ins.MARKER).write_text(json.dumps({"model_path": model_path, "seed": 0}))
+
+    return build_once(cache_root() / "zoo" / name, build)
 
 
 def is_built(directory: Path) -> bool:
