@@ -71,3 +71,15 @@ def test_unpack_parts_names_missing_parts(tmp_path):
     np.savez(part, **{"F32|4|output_norm.weight": np.zeros(16, np.uint8)})
     with pytest.raises(FileNotFoundError, match="pass every part"):
         smollm2.unpack_parts([part], tmp_path / "out")
+
+
+def test_pick_world_prefers_symbolic_worlds_in_range_then_nearest_035():
+    spec = importlib.util.spec_from_file_location("smollm2_sweep", REPO / "experiments" / "evidence" / "smollm2_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    worlds = ["levels=2&word_fraction=0.0&max_value=20", "levels=2,3&word_fraction=0.0&max_value=60",
+              "levels=2&word_fraction=1.0&max_value=20"]
+    measured = lambda *accs: {f"arithmetic:test?{w}": {"t1_mean": a} for w, a in zip(worlds, accs)}  # noqa: E731
+    assert sweep.pick_world(measured(0.2, 0.4, 0.35), worlds, "default") == worlds[1]
+    assert sweep.pick_world(measured(0.05, 0.7, 0.3), worlds, "default") == worlds[2]  # only the word world fits
+    assert sweep.pick_world(measured(0.05, 0.7, 0.9), worlds, "default") == "default"

@@ -137,7 +137,7 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 WORLDS = ("levels=2&word_fraction=0.0&max_value=20", "levels=2,3&word_fraction=0.0&max_value=60",
-          "levels=2&word_fraction=1.0&max_value=20", "levels=3&word_fraction=1.0&max_value=20")
+          "levels=2&word_fraction=1.0&max_value=20")
 MATH500 = "corl_jax/assets/math500_test.json"
 
 
