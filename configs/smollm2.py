@@ -9,9 +9,10 @@ Variants, all on the same world and budget:
   warm-started on this arithmetic world's symbolic problems, so it can read these prompts).
 - `pair_same`: the same-family control, SmolLM2 with SmolLM2 (the runs differ only by sampling seeds).
 
-The world (levels 2, symbolic, numbers up to 20) is where the base scores in the learnable range
-(experiments/results/smollm2/base_accuracy.json). The checkpoint directory must exist (`smollm2.smollm2_hf_dir()`
-or `smollm2.unpack_parts`; experiments/evidence/smollm2_sweep.py makes it).
+The default world is levels 2, symbolic, numbers up to 20. On the 2-core CPU the base scored 1/16 there
+(experiments/results/smollm2/base_accuracy_cpu.json). experiments/evidence/smollm2_sweep.py measures the candidate
+worlds first and overrides data.train_path / data.eval_path with its pick. The checkpoint directory must exist
+(`smollm2.smollm2_hf_dir()` or `smollm2.unpack_parts`; the sweep makes it).
 """
 
 from corl_jax.config import agent_config, base_config

@@ -82,4 +82,5 @@ def test_pick_world_prefers_symbolic_worlds_in_range_then_nearest_035():
     measured = lambda *accs: {f"arithmetic:test?{w}": {"t1_mean": a} for w, a in zip(worlds, accs)}  # noqa: E731
     assert sweep.pick_world(measured(0.2, 0.4, 0.35), worlds, "default") == worlds[1]
     assert sweep.pick_world(measured(0.05, 0.7, 0.3), worlds, "default") == worlds[2]  # only the word world fits
-    assert sweep.pick_world(measured(0.05, 0.7, 0.9), worlds, "default") == "default"
+    assert sweep.pick_world(measured(0.05, 0.7, 0.9), worlds, "default") == worlds[2]  # none fits: the best
+    assert sweep.pick_world({}, worlds, "default") == "default"
