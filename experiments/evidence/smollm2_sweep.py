@@ -212,6 +212,9 @@ def main() -> None:
                 pending.add(pool.submit(run_one, *job, world, stop_at, args, env))
             if not pending and (partner is None or time.time() >= stop_at - 60):
                 break
+            if not pending:  # only pair_demo runs are left, waiting for the partner
+                time.sleep(2)
+                continue
             finished, pending = wait(pending, timeout=2, return_when=FIRST_COMPLETED)
             for future in finished:
                 run = future.result()
