@@ -1,5 +1,5 @@
 """The paper's ring3 shapes through the production entry points: `corl_jax.train` (2 steps, a checkpoint each), a
-second `corl_jax.train` that resumes for one more step, then `corl_jax.eval` on the workdir.
+second `corl_jax.train` that resumes for `--resume-steps` more (default 1), then `corl_jax.eval` on the workdir.
 
 The three agents are `random:<hub id>` stand-ins (corl_jax/stand_ins.py): Qwen2.5-3B, Llama-3.2-3B-Instruct and
 Qwen3-1.7B-Base at their real shapes and vocabularies (8.3B parameters together), initialised in memory, with
@@ -99,17 +99,20 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=sorted(SETTINGS), default="paper")
     parser.add_argument("--workdir", required=True, help="run directory (emptied first); /dev/shm on the device")
     parser.add_argument("--out", required=True, help="result JSON")
-    parser.add_argument("--steps", type=int, default=2, help="steps of the first invocation (the resume adds one)")
+    parser.add_argument("--steps", type=int, default=2, help="steps of the first invocation")
+    parser.add_argument("--resume-steps", type=int, default=1,
+                        help="steps the resumed invocation adds; 0 restores the checkpoint and stops (for a disk that "
+                             "holds one checkpoint but not the two a resumed save briefly needs)")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    if args.steps < 1 or args.resume_steps < 0:
+        parser.error("--steps must be at least 1 and --resume-steps at least 0")
     shutil.rmtree(args.workdir, ignore_errors=True)
     Path(args.workdir).mkdir(parents=True)
-    free = shutil.disk_usage(args.workdir).free
-    if free < 2 * CHECKPOINT_BYTES[args.size]:
-        raise SystemExit(f"{args.workdir}: {free / 1e9:.0f} GB free, but the run briefly holds two checkpoints of "
+    free, copies = shutil.disk_usage(args.workdir).free, 2 if args.resume_steps else 1
+    if free < copies * CHECKPOINT_BYTES[args.size]:
+        raise SystemExit(f"{args.workdir}: {free / 1e9:.0f} GB free, but the run holds {copies} checkpoint(s) of "
                          f"{CHECKPOINT_BYTES[args.size] / 1e9:.0f} GB. Fix: a --workdir on a filesystem with "
-                         f"{2 * CHECKPOINT_BYTES[args.size] / 1e9:.0f} GB free (e.g. a 256 GiB-RAM host's /dev/shm)")
+                         f"{copies * CHECKPOINT_BYTES[args.size] / 1e9:.0f} GB free, or --resume-steps=0 (one checkpoint)")
     env_note = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")}
     phases: dict = {}
     # build: resolve the random: paths (config.json + tokenizer only) and record the device, in a child process so
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     partial = {"command": " ".join([sys.executable, *sys.argv]), "size": args.size, **info, "phases": phases}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name, command in [("first", train_command(args.workdir, args.size, args.steps)),
-                          ("resume", train_command(args.workdir, args.size, args.steps + 1)),
+                          ("resume", train_command(args.workdir, args.size, args.steps + args.resume_steps)),
                           ("eval", eval_command(args.workdir, args.size))]:
         run_phase(name, command, phases)
         Path(args.out).write_text(json.dumps(partial, indent=2))  # what is done so far, should a later phase die
@@ -141,6 +144,7 @@ def main(argv=None) -> int:
         "agents": {agent: model_path(agent, args.size) for agent in PAPER},
         "settings": {"param_dtype": "bfloat16 (AdamW moments follow: bfloat16)", **SETTINGS[args.size]},
         "phases": phases,
+        "resume_steps": args.resume_steps,
         "steps": per_step,  # the first step of each invocation (1 and steps+1) includes compilation
         "peak_bytes_in_use": peak or None,
         "peak_gib": round(peak / 2 ** 30, 2) if peak else None,
