@@ -118,6 +118,7 @@ def recipe_key(recipe: Recipe) -> str:
 
 def demo_base_dir(family: str) -> Path:
     """The cached checkpoint directory of `family`'s base, built (atomically) on first use."""
+    registry.check_family(f"demo:{family}", family)
     directory = _cache_dir(family)
     return checkpoints.build_once(directory, lambda d: build_demo_base(d, family))
 
@@ -132,7 +133,8 @@ def _recipe(name: str) -> tuple[str, Recipe]:
     """(architecture family, recipe) of a family's base or of a `SLIP_BASES` name."""
     if name in SLIP_BASES:
         return SLIP_BASES[name]
-    registry.check_family(f"demo:{name}", name)
+    if name not in RECIPES:
+        raise ValueError(f"unknown demo base {name!r}; use a family of {tuple(RECIPES)} or one of {tuple(SLIP_BASES)}")
     return name, RECIPES[name]
 
 
