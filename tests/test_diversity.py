@@ -130,7 +130,7 @@ def test_slips_barely_overlap():
     for a in arithmetic.SLIPS:
         for b in arithmetic.SLIPS:
             if a < b:
-                assert len(applies[a] & applies[b]) < 0.2 * min(len(applies[a]), len(applies[b]))
+                assert len(applies[a] & applies[b]) < 0.05 * len(ITEMS)  # each applies to 10-26%
 
 
 def test_generate_slipped_rates():
@@ -165,7 +165,7 @@ def test_default_world_and_recipes_are_unchanged():
 def test_slip_bases_differ_only_in_slip_and_seed():
     recipes = {name: recipe for name, (family, recipe) in demo_bases.SLIP_BASES.items()}
     assert {family for family, _ in demo_bases.SLIP_BASES.values()} == {"qwen3"}
-    assert len({dataclasses.replace(r, slip="", seed=0) for r in recipes.values()}) == 1
+    assert len({demo_bases.recipe_key(dataclasses.replace(r, slip="", seed=0)) for r in recipes.values()}) == 1
     assert len({r.seed for r in recipes.values()}) == len(recipes)
     assert [recipes[n].slip for n in diversity_sweep.BASES] == [diversity_sweep.SLIP_OF[n] for n in diversity_sweep.BASES]
     assert len({demo_bases.recipe_key(r) for r in recipes.values()}) == len(recipes)

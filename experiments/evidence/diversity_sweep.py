@@ -7,8 +7,8 @@ The bases (`corl_jax.demo.bases.SLIP_BASES`) share one shape and tokenizer recip
 systematic slip of their SFT solutions (`corl_jax.demo.arithmetic.slipped_solution`). The student is always
 `slip-carry-a`; its peer shares its error mode (`slip-carry-b`) or has another one (`slip-prec`, `slip-sign`).
 
-1. Builds (or finds in `$CORL_JAX_CACHE`) the bases, side by side, and measures each one on `--num-test` test problems at T=0.6 with
-   two sampling seeds: accuracy, how often it answers a problem's slipped answer where its own slip applies
+1. Builds (or finds in `$CORL_JAX_CACHE`) the bases, side by side, and (while step 2 runs) measures each one on
+   `--num-test` test problems at T=0.6 with two sampling seeds: accuracy, how often it answers a problem's slipped answer where its own slip applies
    (`designed_error`), and the Cohen's kappa of per-problem correctness between every pair (a base against its own
    second sample on the diagonal). `--bases FILE` reuses such a measurement (e.g. the CPU one) instead.
 2. Trains every (condition, seed) with `python -m corl_jax.train` in parallel subprocesses, seed-major, starting a
@@ -90,17 +90,23 @@ def measure_bases(directories: dict[str, Path], num_test: int) -> dict:
         out["slip_applies"][slip] = round(float(np.mean([a is not None for a in slipped[slip]])), 4)
     for name, directory in directories.items():
         for seed in (0, 1):
-            texts = demo_bases.sample_texts(directory, problems, temperature=0.6, num_samples=1, seed=seed)
+            texts = demo_bases.sample_texts(directory, problems, temperature=0.6, num_samples=1, seed=seed,
+                                            batch_prompts=len(problems))
             answers = [extract_answer(row[0]) for row in texts]
             correct[name, seed] = np.array([grade_answer(a, p.answer) for a, p in zip(answers, problems)], bool)
             if seed == 0:
                 hits = [a == str(s) for a, s in zip(answers, slipped[SLIP_OF[name]]) if s is not None]
-                out["designed_error"][name] = round(float(np.mean(hits)), 4)
+                out["designed_error"][name] = _rounded(np.mean(hits) if hits else None)
         out["accuracy"][name] = round(float(correct[name, 0].mean()), 4)
     names = list(directories)
-    out["kappa"] = {f"{a}|{b}": round(float(cohens_kappa(correct[a, 0], correct[b, 1 if a == b else 0])), 4)
+    out["kappa"] = {f"{a}|{b}": _rounded(cohens_kappa(correct[a, 0], correct[b, 1 if a == b else 0]))
                     for i, a in enumerate(names) for b in names[i:]}
     return out
+
+
+def _rounded(x) -> float | None:
+    """x to 4 decimals; None for None or NaN (kappa of a base that is never or always right), for strict JSON."""
+    return None if x is None or not np.isfinite(x) else round(float(x), 4)
 
 
 def slipped_answer(item, slip: str) -> int | None:
@@ -232,7 +238,13 @@ def main() -> None:
     parser.add_argument("--sft-examples", type=int, help="override the bases' SFT problems (smoke tests)")
     parser.add_argument("--override", action="append", default=[], help="extra --config.* flag for every run")
     parser.add_argument("--workdirs", default=tempfile.mkdtemp(prefix="diversity_sweep_"))
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot of --out")
     args = parser.parse_args()
+    if args.replot:
+        payload = json.loads(Path(args.out).read_text())
+        payload["plot"] = plot(payload, Path(args.out))
+        Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+        return
     unknown = sorted(set(args.conditions) - set(CONDITIONS))
     if unknown:
         parser.error(f"unknown conditions {unknown}; use some of {sorted(CONDITIONS)}")
@@ -248,13 +260,10 @@ def main() -> None:
     overrides = {k: v for k, v in (("steps", args.sft_steps), ("num_examples", args.sft_examples)) if v}
     directories = build_bases(overrides)
     payload["base_dirs"] = {name: d.name for name, d in directories.items()}
+    payload["bases_seconds"] = round(time.time() - start, 1)
     if args.bases:
         payload["bases"] = json.loads(Path(args.bases).read_text())["bases"]
         payload["bases_from"] = args.bases
-    elif args.num_test:
-        payload["bases"] = measure_bases(directories, args.num_test)
-    payload["bases_seconds"] = round(time.time() - start, 1)
-    print(json.dumps(payload.get("bases")), flush=True)
     save()
     import jax
 
@@ -262,7 +271,10 @@ def main() -> None:
     train_items = arithmetic.generate_items("rl", arithmetic.DEFAULT_SIZES["rl"], **arithmetic.DEMO_WORLD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     jobs = [(c, s) for s in args.seeds for c in args.conditions]
-    with ThreadPoolExecutor(args.parallel) as pool:
+    with ThreadPoolExecutor(args.parallel) as pool, ThreadPoolExecutor(1) as side:
+        # the bases are measured in this process while the runs train
+        measuring = side.submit(measure_bases, directories, args.num_test) if args.num_test and not args.bases \
+            else None
         pending = set()
         while jobs or pending:
             longest = max((r["seconds"] for r in payload["runs"]), default=args.run_estimate)
@@ -278,12 +290,14 @@ def main() -> None:
                 print(json.dumps({k: r.get(k) for k in ("condition", "seed", "seconds", "agents", "error")}),
                       flush=True)
                 save()
+        if measuring:
+            payload["bases"] = measuring.result()
+            print(json.dumps(payload["bases"]), flush=True)
     payload["not_run"] = [f"{c}-s{s}" for c, s in jobs]
     payload["seconds"] = round(time.time() - start, 1)
     payload["plot"] = plot(payload, out) if payload["summary"] else None
     save()
     print(json.dumps(payload["summary"], indent=1))
-
 
 if __name__ == "__main__":
     main()
