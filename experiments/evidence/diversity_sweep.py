@@ -8,9 +8,9 @@ systematic slip of their SFT solutions (`corl_jax.demo.arithmetic.slipped_soluti
 `slip-carry-a`; its peer shares its error mode (`slip-carry-b`) or has another one (`slip-prec`, `slip-sign`).
 
 1. Builds (or finds in `$CORL_JAX_CACHE`) the bases, side by side, and (while step 2 runs) measures each one on
-   `--num-test` test problems at T=0.6 with two sampling seeds: accuracy, how often it answers a problem's slipped answer where its own slip applies
-   (`designed_error`), and the Cohen's kappa of per-problem correctness between every pair (a base against its own
-   second sample on the diagonal). `--bases FILE` reuses such a measurement (e.g. the CPU one) instead.
+   `--num-test` test problems at T=0.6 with two sampling seeds: accuracy, how often it answers a problem's slipped
+   answer where its own slip applies (`designed_error`), and the Cohen's kappa of per-problem correctness between
+   every pair (a base against its own second sample on the diagonal). `--bases FILE` reuses such a measurement.
 2. Trains every (condition, seed) with `python -m corl_jax.train` in parallel subprocesses, seed-major, starting a
    run only while it is predicted to end within `--budget` seconds (the longest finished run so far, or
    `--run-estimate` before any has finished).
