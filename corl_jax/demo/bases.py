@@ -181,7 +181,7 @@ def _build_in_subprocess(name: str, slot: int) -> None:
     result = subprocess.run([sys.executable, "-c", code, family, str(_cache_dir(name)),
                              json.dumps(dataclasses.asdict(recipe))], env=env)
     if result.returncode:
-        raise RuntimeError(f"building the {name} base failed (exit status {result.returncode}, see its "
+        raise RuntimeError(f"building the demo:{name} base failed (exit status {result.returncode}, see its "
                            "output above); nothing of it was cached, so the next run builds it again")
 
 
