@@ -71,6 +71,7 @@ class Item:
     canonical: str     # the surface-free key that decides the split
     params: Mapping[str, int] = dataclasses.field(default_factory=dict)
     expression: str = ""
+    tree: tuple | int | None = None  # expressions: (op, left, right) with int leaves
 
     @property
     def level(self) -> int:
@@ -193,7 +194,7 @@ def _expression_item(rng: np.random.Generator, n_ops: int, max_value: int, rephr
         spoken = _render(_commuted(tree), symbols=False)
         rephrased = [f"What is {spoken}?", f"Find the value of {spoken}.", f"Work out {spoken}."][other]
     return Item(kind="expression", text=text, rephrased=rephrased, steps=tuple(_steps(tree)),
-                canonical=f"expression:{_canonical(tree)}", expression=expression)
+                canonical=f"expression:{_canonical(tree)}", expression=expression, tree=tree)
 
 
 def _split_value(rng: np.random.Generator, value: int, max_value: int):
@@ -285,6 +286,104 @@ def _steps(tree) -> list[Step]:
 
 def _value(tree) -> int:
     return tree if isinstance(tree, int) else Step(_value(tree[1]), tree[0], _value(tree[2])).value
+
+
+# ----------------------------------------------------------------------------------------------------------- slips
+# Systematic mistakes for warm-start data with a designed error mode (docs/diversity.md): a base trained on slipped
+# worked solutions makes that mistake wherever it applies, so two bases share an error mode or do not, by design.
+SLIPS = ("precedence", "carry", "sign")
+
+
+def slipped_solution(item: Item, slip: str) -> str | None:
+    """`item`'s worked solution made with `slip`, or None where it does not apply (word problems; a slipped working
+    that divides unevenly, by zero or adds a negative number; or one that ends at the right answer anyway):
+      precedence: the expression worked left to right as written, as if * and / did not bind before + and -
+        (parentheses kept): 5 + 3 * 2 = 16;
+      carry: every addition drops its carries, digit by digit: 57 + 48 = 95;
+      sign: a minus before a parenthesised sum or difference negates only its first term: 9 - (4 + 2) = 7."""
+    if slip not in SLIPS:
+        raise ValueError(f"unknown slip {slip!r}; use one of {SLIPS}")
+    if item.tree is None:
+        return None
+    tree = {"precedence": lambda t: _parse_left_to_right(_render(t, symbols=True)), "carry": lambda t: t,
+            "sign": _sign_slipped}[slip](item.tree)
+    try:
+        lines, answer = _worked(tree, _add_without_carry if slip == "carry" else OPS["+"])
+    except (ValueError, ZeroDivisionError):
+        return None
+    if answer == item.answer:
+        return None
+    return "\n".join(lines + [f"The answer is \\boxed{{{answer}}}."])
+
+
+def generate_slipped(split: str, n: int, seed: int, slip: str, rate: float, **world) -> list[Problem]:
+    """`generate`'s problems whose worked solutions carry `slip` on a `rate` share of the problems it applies to,
+    chosen by a hash of each problem (so the same problems in every recipe); `world`: `generate_items` settings."""
+    if not 0 <= rate <= 1:
+        raise ValueError(f"slip rate={rate} must lie in [0, 1]")
+    problems = []
+    for i, item in enumerate(generate_items(split, n, seed, **world)):
+        problem = item.problem(i, split)
+        solution = slipped_solution(item, slip) if _unit_hash(f"slip:{item.canonical}") < rate else None
+        problems.append(dataclasses.replace(problem, solution=solution) if solution and problem.solution else problem)
+    return problems
+
+
+def _unit_hash(key: str) -> float:
+    return int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / 16**12
+
+
+def _worked(tree, add: Callable[[int, int], int]) -> tuple[list[str], int]:
+    """Solution lines (post-order, as `Item.solution` writes them) and the value of `tree`, with `add` for +."""
+    if isinstance(tree, int):
+        return [], tree
+    op, left, right = tree
+    left_lines, a = _worked(left, add)
+    right_lines, b = _worked(right, add)
+    if op == "/" and a % b:
+        raise ValueError(f"{a} / {b} is not a whole number")
+    value = add(a, b) if op == "+" else OPS[op](a, b)
+    return left_lines + right_lines + [f"{a} {op} {b} = {value}."], value
+
+
+def _add_without_carry(a: int, b: int) -> int:
+    if a < 0 or b < 0:
+        raise ValueError("the carry slip adds whole numbers only")
+    out, place = 0, 1
+    while a or b:
+        out += (a % 10 + b % 10) % 10 * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def _parse_left_to_right(text: str):
+    """The tree of infix `text` with every operator of equal precedence, left associative (parentheses kept)."""
+    tokens = text.replace("(", " ( ").replace(")", " ) ").split()
+
+    def expression(i: int):
+        tree, i = operand(i)
+        while i < len(tokens) and tokens[i] in OPS:
+            right, j = operand(i + 1)
+            tree, i = (tokens[i], tree, right), j
+        return tree, i
+
+    def operand(i: int):
+        if tokens[i] == "(":
+            tree, i = expression(i + 1)
+            return tree, i + 1  # past ")"
+        return int(tokens[i]), i + 1
+
+    return expression(0)[0]
+
+
+def _sign_slipped(tree):
+    """`tree` with every a - (b +/- c) read as (a - b) +/- c, outermost first."""
+    if isinstance(tree, int):
+        return tree
+    op, left, right = tree
+    if op == "-" and isinstance(right, tuple) and right[0] in "+-":
+        return _sign_slipped((right[0], ("-", left, right[1]), right[2]))
+    return op, _sign_slipped(left), _sign_slipped(right)
 
 
 # --------------------------------------------------------------------------------------------------- word problems

@@ -51,6 +51,8 @@ class Recipe:
         (`arithmetic.generate_items`), drawn with `seed`.
     steps, batch_size, learning_rate: the AdamW run (HF cosine schedule with 3% warmup, clip 1.0).
     seed: problems, initialisation and batch order.
+    slip / slip_rate: a designed error mode of the worked solutions (`arithmetic.SLIPS`; "" for none) on a
+        `slip_rate` share of the problems it applies to (`arithmetic.generate_slipped`).
     """
 
     architecture: dict
@@ -65,6 +67,8 @@ class Recipe:
     batch_size: int = 32
     learning_rate: float = 3e-3
     seed: int = 0
+    slip: str = ""
+    slip_rate: float = 1.0
 
     @property
     def world(self) -> dict:
@@ -90,26 +94,56 @@ RECIPES = {
     "qwen3": Recipe(architecture=dict(_D64L4, num_hidden_layers=3), tokenizer="bpe", vocab_size=640, steps=2000,
                     seed=31),
 }
+# The controlled diversity test (docs/diversity.md): bases of one shape and tokenizer recipe (the Qwen3-style one)
+# that differ only in seed and in the error mode of their SFT solutions, so a pair shares its error mode or does not.
+# The carry slip applies to the most demo-world problems (about 26% of test problems, against 12% for the precedence
+# slip and 11% for the sign slip; the three barely overlap), so it is the mode two bases share.
+_SLIP_BASE = dataclasses.replace(RECIPES["qwen3"], steps=1800)
+SLIP_BASES = {
+    "slip-carry-a": ("qwen3", dataclasses.replace(_SLIP_BASE, slip="carry", seed=41)),
+    "slip-carry-b": ("qwen3", dataclasses.replace(_SLIP_BASE, slip="carry", seed=42)),
+    "slip-prec": ("qwen3", dataclasses.replace(_SLIP_BASE, slip="precedence", seed=43)),
+    "slip-sign": ("qwen3", dataclasses.replace(_SLIP_BASE, slip="sign", seed=44)),
+}
 
 
 def recipe_key(recipe: Recipe) -> str:
-    """A short hash of a recipe: the cache directory changes whenever the recipe does."""
-    return hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:10]
+    """A short hash of a recipe: the cache directory changes whenever the recipe does. The slip fields enter it
+    only when a slip is set, so a recipe without one keeps its key."""
+    fields = dataclasses.asdict(recipe)
+    if not recipe.slip:
+        del fields["slip"], fields["slip_rate"]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def demo_base_dir(family: str) -> Path:
     """The cached checkpoint directory of `family`'s base, built (atomically) on first use."""
+    registry.check_family(f"demo:{family}", family)
     directory = _cache_dir(family)
     return checkpoints.build_once(directory, lambda d: build_demo_base(d, family))
 
 
-def _cache_dir(family: str) -> Path:
-    registry.check_family(f"demo:{family}", family)
-    return checkpoints.cache_root() / "zoo" / f"demo-{family}-{recipe_key(RECIPES[family])}"
+def slip_base_dir(name: str) -> Path:
+    """The cached checkpoint directory of the `SLIP_BASES[name]` base, built (atomically) on first use."""
+    family, recipe = _recipe(name)
+    return checkpoints.build_once(_cache_dir(name), lambda d: build_demo_base(d, family, **dataclasses.asdict(recipe)))
+
+
+def _recipe(name: str) -> tuple[str, Recipe]:
+    """(architecture family, recipe) of a family's base or of a `SLIP_BASES` name."""
+    if name in SLIP_BASES:
+        return SLIP_BASES[name]
+    if name not in RECIPES:
+        raise ValueError(f"unknown demo base {name!r}; use a family of {tuple(RECIPES)} or one of {tuple(SLIP_BASES)}")
+    return name, RECIPES[name]
+
+
+def _cache_dir(name: str) -> Path:
+    return checkpoints.cache_root() / "zoo" / f"demo-{name}-{recipe_key(_recipe(name)[1])}"
 
 
 def build_all(families: Sequence[str] = registry.FAMILIES, workers: int | None = None) -> dict[str, Path]:
-    """Build (or find cached) the bases of `families`; returns family -> directory.
+    """Build (or find cached) the bases of `families` (or `SLIP_BASES` names); returns name -> directory.
 
     On a CPU backend, missing bases are built side by side, one single-threaded process each, `workers` at once
     (default: one per core this process may use), longest recipe first, each worker taking the next base when it
@@ -132,21 +166,22 @@ def build_all(families: Sequence[str] = registry.FAMILIES, workers: int | None =
             finally:
                 slots.put(slot)
 
-        cost = {f: RECIPES[f].steps * RECIPES[f].batch_size for f in missing}
+        cost = {f: _recipe(f)[1].steps * _recipe(f)[1].batch_size for f in missing}
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(build, sorted(missing, key=cost.get, reverse=True)))
-    return {family: demo_base_dir(family) for family in families}
+    return {name: slip_base_dir(name) if name in SLIP_BASES else demo_base_dir(name) for name in families}
 
 
-def _build_in_subprocess(family: str, slot: int) -> None:
-    """Build `family`'s base (its current recipe) into the cache in a single-threaded CPU child process whose
+def _build_in_subprocess(name: str, slot: int) -> None:
+    """Build `name`'s base (its current recipe) into the cache in a single-threaded CPU child process whose
     progress bar is on terminal line `slot`."""
     env = dict(single_threaded_cpu_env(), TQDM_POSITION=str(slot))
     code = "import sys; from corl_jax.demo import bases; bases.build_once_from_json(*sys.argv[1:])"
-    recipe = json.dumps(dataclasses.asdict(RECIPES[family]))
-    result = subprocess.run([sys.executable, "-c", code, family, str(_cache_dir(family)), recipe], env=env)
+    family, recipe = _recipe(name)
+    result = subprocess.run([sys.executable, "-c", code, family, str(_cache_dir(name)),
+                             json.dumps(dataclasses.asdict(recipe))], env=env)
     if result.returncode:
-        raise RuntimeError(f"building the demo:{family} base failed (exit status {result.returncode}, see its "
+        raise RuntimeError(f"building the demo:{name} base failed (exit status {result.returncode}, see its "
                            "output above); nothing of it was cached, so the next run builds it again")
 
 
@@ -174,7 +209,11 @@ def build_demo_base(directory, family: str, **overrides) -> dict:
     start = time.time()
     tqdm.write(f"demo:{family}: building the base once ({recipe.steps} SFT steps, {recipe.tokenizer} tokenizer, "
                f"{recipe.architecture}) into {directory}")
-    problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, **recipe.world)
+    if recipe.slip:
+        problems = arithmetic.generate_slipped("sft", recipe.num_examples, recipe.seed, recipe.slip, recipe.slip_rate,
+                                               **recipe.world)
+    else:
+        problems = arithmetic.generate("sft", recipe.num_examples, seed=recipe.seed, **recipe.world)
     corpus = [text for p in problems for text in (build_prompt_text(p.text), p.rephrased, p.solution)]
     checkpoints.build_random_checkpoint(directory, family, seed=recipe.seed, tokenizer_kind=recipe.tokenizer,
                                 corpus=corpus, vocab_size=recipe.vocab_size, digit_group=recipe.digit_group,
