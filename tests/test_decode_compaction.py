@@ -91,11 +91,11 @@ def test_bad_compaction_is_named(checkpoint):  # noqa: F811
 
 
 def test_cohort_samples_the_same_completions_with_compaction():
-    """The composed path: `rollout.decode_compaction` reaches every agent's sampler, and `Cohort.sample` returns the
-    same completions with it on (the `:tiny` agents' rows stop at different steps on their own)."""
+    """The composed path: `rollout.decode_compaction` reaches the agent's sampler, and `Cohort.sample` returns the
+    same completions with it on (the `:tiny` agent's rows stop at different steps on their own)."""
     results = {}
     for compaction in (0, 2):
-        config = load_config("ring3")
+        config = load_config("rent")
         config.rollout.decode_compaction = compaction
         validate(config)
         agents = load_agents(config, config.train.max_steps)
