@@ -103,8 +103,8 @@ def draw(z: jax.Array, key: jax.Array, block: int = 128, *,
          uniform: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """One token per row of scaled logits `z` [B, V] (-inf = dropped) from softmax(z), by inverse CDF.
 
-    A uniform u in [0, total mass) (`uniform` [B] in [0, 1) times the mass; default from `key`) picks the block of `block` tokens whose cumulative mass first exceeds u,
-    then the token inside it. Returns (tokens int32 [B], logsumexp(z) [B]).
+    A uniform u in [0, total mass) (`uniform` [B] in [0, 1) times the mass; default from `key`) picks the block
+    of `block` tokens whose cumulative mass first exceeds u, then the token inside it. Returns (tokens int32 [B], logsumexp(z) [B]).
     """
     batch, vocab = z.shape
     blocks = -(-vocab // block)
