@@ -209,6 +209,8 @@ class Sampler:
     def stages(self, rows: int) -> tuple[int, ...]:
         """Decode batch sizes of a call of `rows` rows: (rows, rows/2, ..., rows/2^compaction)."""
         stages = tuple(rows >> k for k in range(self.compaction + 1))
+        if not self.compaction:
+            return stages
         shards = 1
         if self.mesh is not None:
             spec = logical_to_spec(("batch",), (rows,), self.mesh, self.rules)[0]
