@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import platform
 import sys
 import tempfile
@@ -66,6 +67,17 @@ def decode_work(lengths: np.ndarray, stages: tuple[int, ...]) -> tuple[int, int]
             stage += 1
         row_steps += stages[stage]
     return int(lengths.max()) - 1, row_steps
+
+
+class CompileCounter(logging.Handler):
+    """Counts XLA compilations (jax_log_compiles messages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        self.count += record.getMessage().startswith("Compiling")
 
 
 def variant(text: str) -> tuple[int, int]:
@@ -116,6 +128,8 @@ def main() -> None:
                                                 dtype=jnp.bfloat16, remat=args.remat, attention=args.attention)
         policy = Policy(config=model_config, model=Decoder(model_config, rngs=nnx.Rngs(index)), tokenizer=tokenizer)
         agent = make_agent(config, name, index, policy, (tokenizer.eos_token_id,), total_steps=100)
+        # committed to the device like the update's outputs, so the second step reuses the first step's programs
+        agent.params, agent.opt_state = jax.device_put((agent.params, agent.opt_state), jax.devices()[0])
         lengths[name] = forced_lengths(args.max_new, rows, args.seed + index, args.lengths == "full")
         agent.sampler.generate = functools.partial(agent.sampler.generate, forced_lengths=lengths[name])
         agents.append(agent)
@@ -139,6 +153,10 @@ def main() -> None:
                    versions=dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
                                  transformers=transformers.__version__),
                    steps=[])
+    counter = CompileCounter()
+    logging.getLogger("jax._src.interpreters.pxla").addHandler(counter)
+    logging.getLogger("jax._src.interpreters.pxla").propagate = False
+    jax.config.update("jax_log_compiles", True)
     seen_buckets, seen_compactions, step = set(), set(), 0
     for bucket, compaction in args.variants:
         config.grpo.length_bucket = bucket
@@ -149,14 +167,16 @@ def main() -> None:
         seen_compactions.add(compaction)
         for timed in ((True,) if compiled else (False, True)):
             step += 1
-            block = PromptBlock(step=step, epoch=0, problems=problems)
-            t0 = time.perf_counter()
-            metrics, _ = cohort.step(block, step)
+            # Cohort step 1 every time: the same sampling keys and row shuffle, so the same update plan (programs)
+            block = PromptBlock(step=1, epoch=0, problems=problems)
+            compiles, t0 = counter.count, time.perf_counter()
+            metrics, _ = cohort.step(block, 1)
             wall = time.perf_counter() - t0
             first = metrics[next(iter(metrics))]
             work = [decode_work(np.minimum(lengths[a.name], args.max_new), a.sampler.stages(rows)) for a in agents]
             record = dict(
-                step=step, length_bucket=bucket, decode_compaction=compaction, timed=timed, wall_s=round(wall, 2),
+                step=step, length_bucket=bucket, decode_compaction=compaction, timed=timed,
+                compiles=counter.count - compiles, wall_s=round(wall, 2),
                 sampling_s=round(first["time/sampling"], 2),
                 answers_vote_s=round(first.get("time/answers", 0.0) + first.get("time/vote", 0.0), 3),
                 update_s=round(first["time/update"], 2),
