@@ -159,7 +159,8 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
         opt_state=init_opt_state(optimizer, params, policy.mesh), optimizer=optimizer,
         schedule=make_schedule(lr, updates, warmup_ratio=o.warmup_ratio, min_lr_rate=o.min_lr_rate),
         text_field=spec.text_field, chat_template=spec.chat_template or None,
-        sampler=Sampler.from_policy(policy, stop_ids=stop_ids, attention=config.rollout.decode_attention),
+        sampler=Sampler.from_policy(policy, stop_ids=stop_ids, attention=config.rollout.decode_attention,
+                                    compaction=config.rollout.decode_compaction),
         key=jax.random.key(config.seed + index),
         ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None)
 

@@ -80,6 +80,8 @@ def base_config() -> ml_collections.ConfigDict:
             "top_k": 0,
             "min_p": 0.0,
             "decode_attention": "auto",  # attention over the KV cache: auto (pallas kernel on GPUs/TPUs) / pallas / xla
+            # halvings of the decode batch as rows finish (0 = off): stages of B, B/2, ... rows; same tokens as off
+            "decode_compaction": 0,
     })
     c.grpo = ml_collections.ConfigDict({
             "loss_type": "bnpo",
@@ -233,6 +235,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if r.decode_attention not in DECODE_ATTENTION_IMPLS:
         fail("rollout.decode_attention", f"unknown implementation {r.decode_attention!r}",
              f"use one of {DECODE_ATTENTION_IMPLS}")
+    if isinstance(r.decode_compaction, bool) or not isinstance(r.decode_compaction, int) or r.decode_compaction < 0:
+        fail("rollout.decode_compaction", f"{r.decode_compaction!r} is not an integer >= 0",
+             "use 0 (off) or the number of times the decode batch may halve, e.g. 2")
+    elif (r.prompts_per_step * r.num_generations) % (1 << r.decode_compaction):
+        fail("rollout.decode_compaction", f"{r.decode_compaction} halvings do not divide the "
+             f"{r.prompts_per_step * r.num_generations} rows of a step (prompts_per_step x num_generations)",
+             "lower it until 2^decode_compaction divides the rows (0 = off)")
     if r.temperature < 0:
         fail("rollout.temperature", "negative", "use 0 for greedy or a positive temperature")
     if r.top_k < 0:

@@ -77,10 +77,11 @@ class SamplingParams:
 
 
 def sample_tokens(
-    logits: jax.Array, key: jax.Array, params: SamplingParams
+    logits: jax.Array, key: jax.Array, params: SamplingParams, *, uniform: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row of `logits` [B, V] (float32 preferred).
 
+    uniform: float32 [B] in [0, 1), the rows' random numbers (default `jax.random.uniform(key, [B])`).
     Returns (tokens int32 [B], logprobs float32 [B]); see `SamplingParams.logprobs` for which
     distribution the logprobs refer to.
     """
@@ -92,17 +93,18 @@ def sample_tokens(
     if params.truncates:
         threshold = truncation_threshold(z, params)
         z = jnp.where(z >= threshold, z, -jnp.inf)
-    tokens, normalizer = draw(z, key)
+    tokens, normalizer = draw(z, key, uniform=uniform)
     if params.logprobs == "raw":
         return tokens, _token_logprob(logits, tokens, logits_normalizer(logits))
     return tokens, _token_logprob(z, tokens, normalizer)
 
 
-def draw(z: jax.Array, key: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
+def draw(z: jax.Array, key: jax.Array, block: int = 128, *,
+         uniform: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """One token per row of scaled logits `z` [B, V] (-inf = dropped) from softmax(z), by inverse CDF.
 
-    A uniform u in [0, total mass) picks the block of `block` tokens whose cumulative mass first exceeds u,
-    then the token inside it. Returns (tokens int32 [B], logsumexp(z) [B]).
+    A uniform u in [0, total mass) (`uniform` [B] in [0, 1) times the mass; default from `key`) picks the block
+    of `block` tokens whose cumulative mass first exceeds u, then the token inside it. Returns (tokens int32 [B], logsumexp(z) [B]).
     """
     batch, vocab = z.shape
     blocks = -(-vocab // block)
@@ -112,7 +114,9 @@ def draw(z: jax.Array, key: jax.Array, block: int = 128) -> tuple[jax.Array, jax
     block_mass = mass.sum(axis=-1)
     cumulative = jnp.cumsum(block_mass, axis=-1)
     total = cumulative[:, -1]
-    target = jax.random.uniform(key, (batch,), jnp.float32) * total
+    if uniform is None:
+        uniform = jax.random.uniform(key, (batch,), jnp.float32)
+    target = uniform * total
     chosen = _first_above(cumulative, target, block_mass > 0)
     inside = jnp.take_along_axis(mass, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
     before = jnp.take_along_axis(cumulative - block_mass, chosen[:, None], axis=1)[:, 0]

@@ -14,6 +14,12 @@ One compiled program per shape bucket does everything on the device:
    * "xla": the loop is cut into *attention segments*: segment j covers steps
      [(j-1)·kv_block, j·kv_block) and attends over the first Tp + j·kv_block cache slots only, so the
      cost of a step follows the filled length to within kv_block.
+4. decode compaction (`Sampler(compaction=n)`, n > 0): the loop runs in *stages* of B, B/2, ..., B/2^n rows.
+   Once at most the next stage's size of rows are still live, the live rows (and finished ones to fill
+   it) are gathered into the smaller batch (cache, tokens, positions, per-row state) and the loop goes on
+   there; every row's results are scattered back when its stage ends. Row r's uniform number at step t
+   is entry r of `uniform(fold_in(key, t), [B])` in every stage, so the tokens do not depend on which
+   rows share a batch: compaction on and off sample the same tokens.
 
 The cache is created inside the program and lives in the loop carry, updated in place: no cache
 crosses the program boundary, so there is nothing to copy or donate. Shapes are bucketed (prompt
@@ -123,11 +129,13 @@ class Sampler:
       attention: decode attention over the cache: "pallas" (the `decode_attention` kernel), "xla" (attention
         segments of `buckets.kv_block` steps) or "auto" (pallas on GPUs when the model's head_dim is a power of
         two and on TPUs when it is a multiple of 128, xla otherwise; see the module docstring).
+      compaction: halvings of the decode batch as rows finish (0 = off; see the module docstring); the
+        batch of every call must be divisible by 2^compaction (and each stage by the mesh's batch shards).
     """
 
     def __init__(self, model: Decoder, *, stop_ids: Sequence[int], pad_id: int = 0, mesh: Mesh | None = None,
                  rules=DEFAULT_RULES, buckets: Buckets = Buckets(), compiler_options: dict | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", compaction: int = 0):
         vocab = model.config.vocab_size
         stop_ids = tuple(int(i) for i in stop_ids)
         bad = [i for i in stop_ids + (pad_id,) if not 0 <= i < vocab]
@@ -150,28 +158,41 @@ class Sampler:
             fits = self.platform in ("gpu", "tpu") and supports_head_dim(model.config.head_dim, self.platform)
             attention = "pallas" if fits else "xla"
         self.attention = attention
+        if not (isinstance(compaction, (int, np.integer)) and compaction >= 0):
+            raise ValueError(f"decode compaction must be an integer >= 0 (0 = off), got {compaction!r}")
+        self.compaction = int(compaction)
         self.programs: dict[Any, Any] = {}  # (graphdef, key type, bucket) -> compiled program
         self.compile_seconds: dict[Any, float] = {}  # bucket -> seconds
 
     @classmethod
     def from_policy(cls, policy, *, stop_ids: Sequence[int], buckets: Buckets = Buckets(),
-                    attention: str = "auto") -> "Sampler":
+                    attention: str = "auto", compaction: int = 0) -> "Sampler":
         """A sampler for a loaded `corl_jax.models.Policy` (its mesh, rules and pad id); `stop_ids` as for
         `Sampler`, usually `tokenization.stop_token_ids(policy.tokenizer, checkpoint_dir)`."""
         return cls(policy.model, stop_ids=stop_ids, pad_id=policy.tokenizer.pad_token_id, mesh=policy.mesh,
-                   rules=policy.rules, buckets=buckets, attention=attention)
+                   rules=policy.rules, buckets=buckets, attention=attention, compaction=compaction)
 
     def generate(self, prompt_ids, prompt_mask, *, num_samples: int, max_new_tokens: int,
-                 params: SamplingParams, key: jax.Array) -> Completions:
+                 params: SamplingParams, key: jax.Array, forced_lengths=None) -> Completions:
         """Samples `num_samples` completions of at most `max_new_tokens` tokens per prompt.
 
         prompt_ids int [P, Tp] and prompt_mask bool [P, Tp] are a left-padded batch (every row
         with at least one token). Returns `Completions` with T = max_new_tokens.
+        forced_lengths (benchmarks): int [P*G]; row i then ends with the first stop id as its token
+        forced_lengths[i] (>= 1) and sampled stop ids do not end it; rows forced past the budget are truncated.
         """
         ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
         _check_prompts(ids, mask, self.model.config.vocab_size)
         if num_samples < 1 or max_new_tokens < 1:
             raise ValueError(f"num_samples ({num_samples}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+        rows = ids.shape[0] * num_samples
+        stages = self.stages(rows)
+        if forced_lengths is not None:
+            forced_lengths = np.asarray(forced_lengths)
+            if forced_lengths.shape != (rows,) or not self.stop_ids.size or forced_lengths.min() < 1:
+                raise ValueError(f"forced_lengths must be {rows} lengths >= 1 (one per row) and the sampler needs "
+                                 f"a stop id; got shape {forced_lengths.shape} with {self.stop_ids.size} stop ids")
+            forced_lengths = forced_lengths.astype(np.int32)
         width = round_up(ids.shape[1], self.buckets.prompt)
         pad = width - ids.shape[1]
         ids = np.pad(ids.astype(np.int32), ((0, 0), (pad, 0)), constant_values=self.pad_id)
@@ -180,15 +201,33 @@ class Sampler:
             ids, mask = (jax.device_put(x, batch_sharding(x.shape, self.mesh, self.rules)) for x in (ids, mask))
         graphdef, state = nnx.split(self.model)
         new_bucket = round_up(max_new_tokens, self.buckets.new_tokens)
-        program = self.program(graphdef, state, ids, mask, key, num_samples, new_bucket, params)
-        out = program(state, ids, mask, self.stop_ids, np.int32(max_new_tokens), key)
+        program = self.program(graphdef, state, ids, mask, key, num_samples, new_bucket, params, stages,
+                               forced_lengths is not None)
+        out = program(state, ids, mask, self.stop_ids, np.int32(max_new_tokens), key, forced_lengths)
         return jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
 
-    def program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params):
+    def stages(self, rows: int) -> tuple[int, ...]:
+        """Decode batch sizes of a call of `rows` rows: (rows, rows/2, ..., rows/2^compaction)."""
+        stages = tuple(rows >> k for k in range(self.compaction + 1))
+        if not self.compaction:
+            return stages
+        shards = 1
+        if self.mesh is not None:
+            spec = logical_to_spec(("batch",), (rows,), self.mesh, self.rules)[0]
+            shards = int(np.prod([self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec or ())]))
+        if rows % (1 << self.compaction) or stages[-1] % shards:
+            raise ValueError(f"decode compaction {self.compaction} halves the batch of {rows} rows {self.compaction} "
+                             f"times into multiples of the {shards} batch shard(s), which it does not divide; lower "
+                             "rollout.decode_compaction (0 = off)")
+        return stages
+
+    def program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params, stages=None, forced=False):
         """The compiled program of a bucket (compiled on first use). The arrays only give shapes and shardings:
         `jax.ShapeDtypeStruct`s compile without weights (`corl_jax.compile_check`)."""
+        stages = stages or (ids.shape[0] * num_samples,)
         bucket = dict(prompts=ids.shape[0], samples=num_samples, prompt_width=ids.shape[1], new_tokens=new_bucket,
-                      kv_block=self.buckets.kv_block, params=params, attention=self.attention)
+                      kv_block=self.buckets.kv_block, params=params, attention=self.attention, stages=stages,
+                      forced=forced)
         cache_key = (graphdef, str(key.dtype), key.shape, tuple(bucket.items()))  # typed or raw uint32 keys
         program = self.programs.get(cache_key)
         if program is None:
@@ -196,9 +235,11 @@ class Sampler:
             start = time.perf_counter()
             static = dict(graphdef=graphdef, num_samples=num_samples, new_bucket=new_bucket,
                           kv_block=self.buckets.kv_block, params=params, pad_id=self.pad_id, mesh=self.mesh,
-                          rules=self.rules, attention=self.attention, platform=self.platform)
+                          rules=self.rules, attention=self.attention, platform=self.platform, stages=stages)
             jitted = jax.jit(_generate, static_argnames=tuple(static))
-            program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, **static).compile(
+            forced_lengths = jax.ShapeDtypeStruct((stages[0],), jnp.int32) if forced else None
+            program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, forced_lengths,
+                                   **static).compile(
                 compiler_options=self.compiler_options or None)
             seconds = time.perf_counter() - start
             log.info("sampler: compiled bucket %s in %.1f s", bucket, seconds)
@@ -207,8 +248,9 @@ class Sampler:
         return program
 
 
-def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphdef, num_samples, new_bucket, kv_block,
-              params: SamplingParams, pad_id, mesh, rules, attention, platform) -> Completions:
+def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, forced_lengths, *, graphdef, num_samples,
+              new_bucket, kv_block, params: SamplingParams, pad_id, mesh, rules, attention, platform,
+              stages) -> Completions:
     """The whole generation program (see the module docstring)."""
     model = nnx.merge(graphdef, state)
     weights = model.decode_weights()
@@ -223,44 +265,82 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, *, graphde
     first, first_logprob = sample_tokens(logits, jax.random.fold_in(key, 0), params)
     # Position of each row's first new token: one past its last prompt token.
     start_positions = jnp.repeat(positions[:, -1] + 1, num_samples)
-    cache_attention = _pallas_attention(cache, mesh, rules, platform) if attention == "pallas" else None
+    compacts = len(stages) > 1
 
+    def ends(tokens, rows, step):
+        """Whether each row's token at `step` (0-based) ends it, and the token to write."""
+        if forced_lengths is None:
+            return jnp.isin(tokens, stop_ids), tokens
+        forced = forced_lengths[rows] == step + 1
+        return forced, jnp.where(forced, stop_ids[0], tokens)
+
+    done, first = ends(first, jnp.arange(B), 0)
     carry = _Carry(
         cache=cache,
         tokens=jnp.full((B, new_bucket), pad_id, jnp.int32).at[:, 0].set(first),
         logprobs=jnp.zeros((B, new_bucket), jnp.float32).at[:, 0].set(first_logprob),
-        done=jnp.isin(first, stop_ids),
+        done=done,
         lengths=jnp.ones((B,), jnp.int32),
+        rows=jnp.arange(B, dtype=jnp.int32),
         step=jnp.ones((), jnp.int32),
     )
 
-    def decode_step(c: _Carry, attend_len: int) -> _Carry:
+    def decode_step(c: _Carry, attend_len: int, cache_attention) -> _Carry:
         previous = jax.lax.dynamic_index_in_dim(c.tokens, c.step - 1, axis=1, keepdims=False)
-        hidden, cache = model.decode_step(previous, start_positions + c.step - 1, c.cache, weights,
+        hidden, cache = model.decode_step(previous, start_positions[c.rows] + c.step - 1, c.cache, weights,
                                           attend_len=attend_len, cache_attention=cache_attention)
-        tokens, logprobs = sample_tokens(weights.logits(hidden), jax.random.fold_in(key, c.step), params)
+        step_key = jax.random.fold_in(key, c.step)
+        # per-row uniforms of the whole batch, so that a row's draw does not depend on its stage's rows
+        uniform = jax.random.uniform(step_key, (B,), jnp.float32)[c.rows] if compacts else None
+        tokens, logprobs = sample_tokens(weights.logits(hidden), step_key, params, uniform=uniform)
+        finished, tokens = ends(tokens, c.rows, c.step)
         tokens = jnp.where(c.done, pad_id, tokens)
         logprobs = jnp.where(c.done, 0.0, logprobs)
-        return _Carry(
+        return c.replace(
             cache=cache,
             tokens=jax.lax.dynamic_update_index_in_dim(c.tokens, tokens, c.step, axis=1),
             logprobs=jax.lax.dynamic_update_index_in_dim(c.logprobs, logprobs, c.step, axis=1),
-            done=c.done | jnp.isin(tokens, stop_ids),
+            done=c.done | finished,
             lengths=c.lengths + (~c.done).astype(jnp.int32),
             step=c.step + 1,
         )
 
     segments = (new_bucket,) if attention == "pallas" else segment_ends(new_bucket, kv_block)
-    for end in segments:
-        limit = jnp.minimum(end, max_new)
-        carry = jax.lax.while_loop(
-            lambda c, limit=limit: (c.step < limit) & ~jnp.all(c.done),
-            lambda c, attend_len=Tp + end: decode_step(c, attend_len),
-            carry,
-        )
-    mask = jnp.arange(new_bucket)[None, :] < carry.lengths[:, None]
-    return Completions(tokens=carry.tokens, mask=mask, logprobs=carry.logprobs, lengths=carry.lengths,
-                       truncated=~carry.done)
+    out = None
+    for stage, size in enumerate(stages):
+        next_size = stages[stage + 1] if stage + 1 < len(stages) else 0
+        cache_attention = _pallas_attention(carry.cache, mesh, rules, platform) if attention == "pallas" else None
+        for end in segments:
+            limit = jnp.minimum(end, max_new)
+            carry = jax.lax.while_loop(
+                lambda c, limit=limit, next_size=next_size: (c.step < limit) & (jnp.sum(~c.done) > next_size),
+                lambda c, attend_len=Tp + end, attend=cache_attention: decode_step(c, attend_len, attend),
+                carry,
+            )
+        out = carry if out is None else _scatter(out, carry)
+        if next_size:
+            carry = _compact(carry, next_size, mesh, rules)
+    mask = jnp.arange(new_bucket)[None, :] < out.lengths[:, None]
+    return Completions(tokens=out.tokens, mask=mask, logprobs=out.logprobs, lengths=out.lengths, truncated=~out.done)
+
+
+def _compact(c: "_Carry", size: int, mesh: Mesh | None, rules) -> "_Carry":
+    """The first `size` rows of `c` with the live rows first (every live row fits: the stage loop ran until
+    at most `size` were live); the cache rows follow (batch axis found by its logical name)."""
+    keep = jnp.argsort(c.done, stable=True)[:size]
+    axes = type(c.cache).logical_axes()
+    take = lambda x, names: jnp.take(x, keep, axis=names.index("batch"))  # noqa: E731
+    cache = c.cache.replace(k=take(c.cache.k, axes.k), v=take(c.cache.v, axes.v), mask=take(c.cache.mask, axes.mask))
+    if mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
+    return c.replace(cache=cache, tokens=c.tokens[keep], logprobs=c.logprobs[keep], done=c.done[keep],
+                     lengths=c.lengths[keep], rows=c.rows[keep])
+
+
+def _scatter(out: "_Carry", c: "_Carry") -> "_Carry":
+    """`out` (every row) with the per-row results of the stage carry `c` written at its rows."""
+    return out.replace(tokens=out.tokens.at[c.rows].set(c.tokens), logprobs=out.logprobs.at[c.rows].set(c.logprobs),
+                       done=out.done.at[c.rows].set(c.done), lengths=out.lengths.at[c.rows].set(c.lengths))
 
 
 def _pallas_attention(cache: KVCache, mesh: Mesh | None, rules, platform: str):
@@ -291,6 +371,7 @@ class _Carry:
     logprobs: jax.Array
     done: jax.Array
     lengths: jax.Array
+    rows: jax.Array  # each row's index in the whole batch (stages of a compacted decode hold a subset)
     step: jax.Array
 
 
