@@ -205,10 +205,14 @@ class Checkpointer:
         check of the fingerprints are each agreed between the processes before the next collective."""
         restored, why = None, None
         try:
-            with _quiet():  # the handler itself: the manager's restore ends in a barrier a failed process never reaches
-                restored = ocp.CompositeCheckpointHandler().restore(epath.Path(self.step_dir(step)), args=(
-                    ocp.args.Composite(state=ocp.args.StandardRestore(state_target), data=ocp.args.JsonRestore(),
-                                       rng=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())))
+            handler = ocp.CompositeCheckpointHandler()  # not the manager: its restore ends in a barrier
+            try:                                          # that a process whose read failed never reaches
+                with _quiet():
+                    restored = handler.restore(epath.Path(self.step_dir(step)), args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(state_target), data=ocp.args.JsonRestore(),
+                        rng=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+            finally:
+                handler.close()
             if restored["meta"]["step"] != step:
                 raise CheckpointError(f"its metadata names step {restored['meta']['step']}")
         except Exception as e:  # Orbax, tensorstore and json raise many types for a damaged directory

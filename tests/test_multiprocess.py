@@ -108,14 +108,11 @@ def _assert_same_run(reference: Path, run: Path) -> None:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     """The trainers' model zoo and a persistent compilation cache, shared by this module's runs (inherited through
-    the environment): the runs of one topology (2 x 4 shared: the killed run and its restart) compile once. Within
-    a run of several processes, process 0 compiles each program and hands the executable to the others through the
-    distributed key-value store (`jax_share_binary_between_hosts`), so 4 processes cost one compile, not 4; every
-    process runs bit for bit what it would have compiled."""
+    the environment): the runs of one topology (2 x 4 shared: the killed run and its restart) compile once;
+    process 0 writes each executable and every process reads it, bit for bit what it would compile."""
     env = {"CORL_JAX_CACHE": str(tmp_path_factory.mktemp("zoo_cache")),  # the single-process run builds it first
            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compilation_cache")),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-           "JAX_SHARE_BINARY_BETWEEN_HOSTS": "true"}
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     os.environ.update(env)
     yield env["CORL_JAX_CACHE"]
     for name in env:
