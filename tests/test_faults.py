@@ -210,12 +210,14 @@ def test_cli_input_errors_are_one_line_and_exit_2(tmp_path):
              ("--config=configs/ttrl.py:huge", "unknown config variant 'huge'"),
              ("--config=configs/ttrl.py:tiny --config.nosection.x=1", "config.nosection is not a key of this config"),
              (f"--config=configs/ttrl.py:tiny --workdir={a_file}", "is a file, not a directory")]
-    for args, message in cases:
-        cmd = [sys.executable, "-m", "corl_jax.train", f"--workdir={tmp_path / 'run'}", *args.split()]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 2, (args, proc.stderr)
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], (args, proc.stderr)
+    procs = [subprocess.Popen([sys.executable, "-m", "corl_jax.train", f"--workdir={tmp_path / 'run'}", *args.split()],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for args, _ in cases]  # side by side: each is mostly start-up
+    for proc, (args, message) in zip(procs, cases, strict=True):
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 2, (args, stderr)
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, stderr)
 
 
 # ------------------------------------------------------------------------------------------------------ item 6

@@ -195,14 +195,16 @@ def test_corrupt_config_json_seen_by_process_0_stops_every_process_with_its_line
     assert "config.json cannot be read as JSON" in errors[0][0] and "Fix:" in errors[0][0]
 
 
-def test_checkpoint_one_process_cannot_read_stops_every_process_with_one_line(single_process_run, tmp_path):
-    """Process 1 sees another copy of the workdir, in which step 2 lacks its largest array file and step 1's is
-    corrupt (as a host with a stale or damaged view of shared storage would): both processes agree that neither
-    step can be restored and end with process 0's line, which names process 1; nothing is moved aside."""
+@pytest.mark.parametrize("view", ["damaged", "stale"])
+def test_checkpoint_one_process_cannot_read_stops_every_process_with_one_line(view, single_process_run, tmp_path):
+    """Process 1 sees another copy of the workdir (as a host with a damaged or stale view of shared storage would):
+    `damaged`: step 2 lacks its largest array file and step 1's is corrupt, so both processes agree that neither step
+    can be restored; `stale`: step 2 is missing, so the processes list different steps. Every process ends with
+    process 0's line, which names process 1; nothing is moved aside."""
     seen, unseen = tmp_path / "seen", tmp_path / "unseen"
-    for view in (seen, unseen):
-        shutil.copytree(single_process_run("shared", 8), view)
-    for step in ("1", "2"):
+    for copy in (seen, unseen):
+        shutil.copytree(single_process_run("shared", 8), copy)
+    for step in ("1", "2") if view == "damaged" else ():
         files = [p for p in (unseen / "checkpoints" / step / "state").rglob("*") if p.is_file()]
         largest = max(files, key=lambda p: p.stat().st_size)
         if step == "2":
@@ -211,11 +213,17 @@ def test_checkpoint_one_process_cannot_read_stops_every_process_with_one_line(si
             data = bytearray(largest.read_bytes())
             data[len(data) // 2:] = bytes(b ^ 0xFF for b in data[len(data) // 2:])
             largest.write_bytes(bytes(data))
+    if view == "stale":
+        shutil.rmtree(unseen / "checkpoints" / "2")
     errors = _refusals(_launch(seen, 2, 1, "--config.placement=shared", only={1: (f"--workdir={unseen}",)}))
     assert errors[0] == errors[1] and len(errors[0]) == 1, errors
     line = errors[0][0]
-    assert line.startswith("error: cannot restore") and "restart=True" in line, line
-    assert f"{seen}/checkpoints/2: on process 1: " in line and f"{seen}/checkpoints/1: on process 1: " in line
+    if view == "damaged":
+        assert line.startswith("error: cannot restore") and "restart=True" in line, line
+        assert f"{seen}/checkpoints/2: on process 1: " in line and f"{seen}/checkpoints/1: on process 1: " in line
+    else:
+        assert f"process(es) [1] list other checkpoint steps in {seen}/checkpoints than process 0 ([1, 2])" in line
+        assert "shared filesystem" in line
     assert sorted(os.listdir(seen / "checkpoints")) == ["1", "2"] and not (seen / "rejected_checkpoints").exists()
 
 
