@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Mapping
@@ -160,19 +161,31 @@ class Checkpointer:
         candidates = [s for s in reversed(steps) if s <= step] if fallback_to_previous else [step]
         errors = {}
         for candidate in candidates:
-            try:
-                snapshot = self._read(candidate, state_target)
-            except Exception as e:  # Orbax, tensorstore and json raise many types for a damaged directory
-                errors[candidate] = _one_line(e)
+            snapshot, why = self._read(candidate, state_target)
+            if why is not None:
+                errors[candidate] = why
                 continue
             for bad, why in errors.items():
                 self._set_aside(bad, why)
             return snapshot
-        raise CheckpointError(
+        message = (
             "cannot restore " + "; ".join(f"{self.step_dir(s)}: {why}" for s, why in errors.items())
             + ". Nothing was changed. Fix: move that step directory out of checkpoints/ to resume from the previous "
             "step, or start afresh with --config.train.restart=True (moves the old run aside) or a new --workdir"
             + ("" if fallback_to_previous else " (or set --config.train.fallback_to_previous=True)"))
+        multihost.raise_as_process_0(CheckpointError(message))
+
+    def agreed_latest_step(self) -> int | None:
+        """`latest_step()`, once every process has checked that all of them list the same steps (a collective); a
+        host that sees other steps (a workdir that is not shared storage, a stale cache) is a CheckpointError on
+        every process."""
+        steps = self.all_steps()
+        differ = multihost.disagreeing_processes(json.dumps(steps))
+        if differ:
+            multihost.raise_as_process_0(CheckpointError(
+                f"process(es) {differ} list other checkpoint steps in {self.directory} than process 0 ({steps}). "
+                "Fix: put the workdir on storage every host sees alike (gs://, a shared filesystem)"))
+        return steps[-1] if steps else None
 
     def _set_aside(self, step: int, why: str) -> None:
         """Move a damaged step out of the managed directory (never delete it), so the run can redo that step."""
@@ -186,18 +199,43 @@ class Checkpointer:
         logging.warning("checkpoint %s is damaged (%s): moved to %s, an older step is restored", self.step_dir(step),
                         why, target)
 
-    def _read(self, step: int, state_target: Any) -> Snapshot:
-        with _quiet():
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(state_target),
-                                              data=ocp.args.JsonRestore(), rng=ocp.args.JsonRestore(),
-                                              meta=ocp.args.JsonRestore()))
+    def _read(self, step: int, state_target: Any) -> tuple[Snapshot | None, str | None]:
+        """(the verified snapshot of `step`, None) or (None, why it was rejected): the same outcome on every process.
+        Each process reads its own shards, so a file one host cannot read fails there alone; the read and then the
+        check of the fingerprints are each agreed between the processes before the next collective."""
+        restored, why = None, None
+        try:
+            handler = ocp.CompositeCheckpointHandler()  # not the manager: its restore ends in a barrier
+            try:                                          # that a process whose read failed never reaches
+                with _quiet():
+                    restored = handler.restore(epath.Path(self.step_dir(step)), args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(state_target), data=ocp.args.JsonRestore(),
+                        rng=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+            finally:
+                handler.close()
+            if restored["meta"]["step"] != step:
+                raise CheckpointError(f"its metadata names step {restored['meta']['step']}")
+        except Exception as e:  # Orbax, tensorstore and json raise many types for a damaged directory
+            why = _one_line(e)
+        if (why := _agreed(why)) is not None:
+            return None, why
         meta = restored["meta"]
-        if meta["step"] != step:
-            raise CheckpointError(f"its metadata names step {meta['step']}")
-        _verify(fingerprint(restored["state"]), meta.get("fingerprints"))
+        try:
+            _verify(fingerprint(restored["state"]), meta.get("fingerprints"))
+        except CheckpointError as e:  # a replicated array is checked on each process's own copy
+            why = _one_line(e)
+        if (why := _agreed(why)) is not None:
+            return None, why
         return Snapshot(step=step, state=restored["state"], data_state=restored["data"],
-                        rng=_decode_keys(restored["rng"]), metadata=meta["metadata"], metric=meta["metric"])
+                        rng=_decode_keys(restored["rng"]), metadata=meta["metadata"], metric=meta["metric"]), None
+
+
+def _agreed(why: str | None) -> str | None:
+    """The first failing process's `why` on every process (named when there are several), or None if none failed."""
+    failure = multihost.first_failure(why)
+    if failure is None:
+        return None
+    return failure[1] if jax.process_count() == 1 else f"on process {failure[0]}: {failure[1]}"
 
 
 def fingerprint(state: Any) -> dict[str, dict[str, Any]]:

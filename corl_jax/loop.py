@@ -103,7 +103,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop: StopRequest | N
     nonfinite = {a.name: 0 for a in cohort.agents}
     faults: list[str] = []
     start = 0
-    if checkpointer.latest_step() is not None:
+    if checkpointer.agreed_latest_step() is not None:
         start, history, nonfinite, faults = _restore(checkpointer, cohort, stream, config.train.fallback_to_previous)
         logging.info("resumed from step %d of %s", start, workdir)
     main = multihost.is_main()  # one process writes the run's files and prints; all of them save checkpoints

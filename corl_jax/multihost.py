@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -33,11 +33,15 @@ def multi_host_environment() -> bool:
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+               process_id: int | None = None, heartbeat_timeout_seconds: int | None = None) -> None:
     """`jax.distributed.initialize`: unset arguments are auto-detected (Cloud TPU, SLURM, ... or
-    JAX_COORDINATOR_ADDRESS)."""
+    JAX_COORDINATOR_ADDRESS). `heartbeat_timeout_seconds` (JAX's default: 100) is how long a silent process (killed,
+    hung) goes unnoticed before the coordination service stops every process."""
+    if heartbeat_timeout_seconds is not None and heartbeat_timeout_seconds < 1:
+        raise ValueError(f"heartbeat_timeout_seconds={heartbeat_timeout_seconds}: use 1 or more seconds")
+    extra = {} if heartbeat_timeout_seconds is None else {"heartbeat_timeout_seconds": heartbeat_timeout_seconds}
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+                               process_id=process_id, **extra)
 
 
 def is_main() -> bool:
@@ -104,6 +108,32 @@ def first_error(fn: Callable[[], Any], errors: tuple[type[Exception], ...]) -> A
     if kind >= 0:
         raise errors[kind](message)
     return result
+
+
+def first_failure(message: str | None) -> tuple[int, str] | None:
+    """(process, message) of the lowest process whose `message` is not None, the same on every process; None when
+    every process passed None (a collective: every process must call this in the same order). Lets a local outcome
+    (a file one host cannot read) become one decision that every process takes."""
+    if jax.process_count() == 1:
+        return None if message is None else (0, message)
+    data = np.frombuffer((message or "").encode(), np.uint8)
+    heads = np.asarray(multihost_utils.process_allgather(np.array([message is not None, data.size], np.int32)))
+    failing = [i for i in range(heads.shape[0]) if heads[i, 0]]
+    if not failing:
+        return None
+    size = max(1, int(heads[:, 1].max()))
+    texts = np.asarray(multihost_utils.process_allgather(np.pad(data, (0, size - data.size))))
+    first = failing[0]
+    return first, bytes(texts[first, :heads[first, 1]]).decode()
+
+
+def raise_as_process_0(error: Exception) -> NoReturn:
+    """Raise on every process `error`'s type with process 0's message (each process passes its own error of one
+    type, whose text may differ in local details such as paths), so every process prints the same line (a
+    collective)."""
+    if jax.process_count() == 1:
+        raise error
+    raise type(error)(_broadcast_text(str(error)))
 
 
 def disagreeing_processes(text: str) -> list[int]:

@@ -28,6 +28,8 @@ def define_flags() -> None:
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (default: auto-detected).")
     flags.DEFINE_integer("num_processes", None, "Number of processes (default: auto-detected).")
     flags.DEFINE_integer("process_id", None, "This process's index (default: auto-detected).")
+    flags.DEFINE_integer("heartbeat_timeout_seconds", None, "Seconds without a heartbeat after which a process "
+                         "counts as dead and every process is stopped (default: JAX's, 100).", lower_bound=1)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -88,7 +90,8 @@ def main(argv: list[str]) -> None:
     if distributed is None:
         distributed = FLAGS.coordinator_address is not None or multihost.multi_host_environment()
     if distributed:
-        multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                             FLAGS.heartbeat_timeout_seconds)
     sys.exit(run(FLAGS.config, FLAGS.workdir))
 
 

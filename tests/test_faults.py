@@ -44,8 +44,26 @@ def tiny(**train):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """An uninterrupted run that saves every step."""
+def compilation_cache(tmp_path_factory):
+    """A persistent compilation cache while this module runs: the in-process runs write their programs, and the
+    trainer subprocess of the SIGTERM test (same devices, same config) reads them instead of compiling again."""
+    from jax.experimental.compilation_cache import compilation_cache as cache
+
+    settings = {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("compilation_cache")),
+                "jax_persistent_cache_min_compile_time_secs": 0, "jax_persistent_cache_min_entry_size_bytes": 0}
+    saved = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    cache.reset_cache()
+    yield settings["jax_compilation_cache_dir"]
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, compilation_cache):
+    """An uninterrupted run that saves every step (its compiled programs go to the module's persistent cache)."""
     workdir = tmp_path_factory.mktemp("straight")
     with pytest.MonkeyPatch.context() as m:
         m.setenv("CORL_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "zoo_cache"))
@@ -192,12 +210,14 @@ def test_cli_input_errors_are_one_line_and_exit_2(tmp_path):
              ("--config=configs/ttrl.py:huge", "unknown config variant 'huge'"),
              ("--config=configs/ttrl.py:tiny --config.nosection.x=1", "config.nosection is not a key of this config"),
              (f"--config=configs/ttrl.py:tiny --workdir={a_file}", "is a file, not a directory")]
-    for args, message in cases:
-        cmd = [sys.executable, "-m", "corl_jax.train", f"--workdir={tmp_path / 'run'}", *args.split()]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 2, (args, proc.stderr)
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], (args, proc.stderr)
+    procs = [subprocess.Popen([sys.executable, "-m", "corl_jax.train", f"--workdir={tmp_path / 'run'}", *args.split()],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for args, _ in cases]  # side by side: each is mostly start-up
+    for proc, (args, message) in zip(procs, cases, strict=True):
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 2, (args, stderr)
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, stderr)
 
 
 # ------------------------------------------------------------------------------------------------------ item 6
@@ -221,12 +241,14 @@ def test_sigint_finishes_the_step_saves_it_and_stops(tmp_path, monkeypatch, caps
     assert steps == [1, 2]  # and no evaluation was started after the signal
 
 
-def test_sigterm_saves_then_exits_143_and_resumes_exactly(straight, tmp_path):
+def test_sigterm_saves_then_exits_143_and_resumes_exactly(straight, compilation_cache, tmp_path):
     overrides = [f"--config.train.max_steps={STEPS}", "--config.train.eval_on_start=False",
                  "--config.train.eval_every=100", "--config.train.save_every=100"]
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ttrl.py:tiny", f"--workdir={tmp_path}",
            *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": compilation_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 600
     while not (metrics.exists() and metrics.read_text().strip()):  # the first step is logged
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]

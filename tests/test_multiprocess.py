@@ -1,12 +1,14 @@
 """Several JAX processes on this machine (CPU devices, gloo collectives through `jax.distributed`) train exactly as
 one process with as many devices: same metrics, same final parameters; only process 0 writes the run's files;
-every process writes its checkpoint shards; a SIGKILL of one process and a restart of all resumes exactly."""
+every process writes its checkpoint shards; a SIGKILL of one process stops the others, and a restart of all resumes
+exactly; an error that one process alone sees (config, workdir, checkpoint) ends every process with one line."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = ("--config.train.max_steps=2", "--config.train.save_every=1", "--config.train.eval_every=2",
          "--config.train.eval_on_start=False", "--config.rollout.max_new_tokens=8", "--config.mesh.data=-1")
 TIMEOUT = 1800  # hang guard per run (a loaded 2-core machine needs ~15 min for one)
+HEARTBEAT = "--heartbeat_timeout_seconds=10"  # a killed process is noticed by the others in seconds, not JAX's 100
 
 
 def _free_port() -> int:
@@ -41,7 +44,7 @@ def _launch(workdir: Path, processes: int, devices: int, *flags: str,
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}", *STEPS,
            *flags]
     if processes > 1:
-        cmd += [f"--coordinator_address=localhost:{_free_port()}", f"--num_processes={processes}"]
+        cmd += [f"--coordinator_address=localhost:{_free_port()}", f"--num_processes={processes}", HEARTBEAT]
     only = only or {}
     return [subprocess.Popen(cmd + ([f"--process_id={i}"] if processes > 1 else []) + list(only.get(i, ())), cwd=REPO,
                              env=env,
@@ -105,8 +108,8 @@ def _assert_same_run(reference: Path, run: Path) -> None:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     """The trainers' model zoo and a persistent compilation cache, shared by this module's runs (inherited through
-    the environment): the runs of one topology (2 x 4 shared: the parametrized run, the killed run and its restart)
-    compile once; process 0 writes each executable and every process reads it, bit for bit what it would compile."""
+    the environment): the runs of one topology (2 x 4 shared: the killed run and its restart) compile once;
+    process 0 writes each executable and every process reads it, bit for bit what it would compile."""
     env = {"CORL_JAX_CACHE": str(tmp_path_factory.mktemp("zoo_cache")),  # the single-process run builds it first
            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compilation_cache")),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
@@ -130,21 +133,24 @@ def single_process_run(zoo, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("placement, processes, devices", [("shared", 2, 4), ("partitioned", 2, 3)])
+def _assert_written_once(run: Path, outputs: list[str]) -> None:
+    """Records, summary and the eval line come from process 0 alone; every process wrote its checkpoint shards."""
+    assert len(_rows(run, "records.jsonl")) == 2 * 2 * 3  # steps x prompts x agents: written once, by process 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert "eval accuracy" in outputs[0] and all("eval accuracy" not in out for out in outputs[1:])
+    shards = {p.name for p in (run / "checkpoints" / "2" / "state").iterdir() if p.name.startswith("ocdbt.process_")}
+    assert shards == {f"ocdbt.process_{i}" for i in range(len(outputs))}
+
+
+@pytest.mark.parametrize("placement, processes, devices", [("partitioned", 2, 3), ("shared", 4, 2)])
 def test_processes_train_like_one_process(placement, processes, devices, single_process_run, tmp_path):
     reference = single_process_run(placement, processes * devices)
     outputs = _run(tmp_path / "many", processes, devices, f"--config.placement={placement}")
     _assert_same_run(reference, tmp_path / "many")
-
-    many = tmp_path / "many"
-    assert len(_rows(many, "records.jsonl")) == 2 * 2 * 3  # steps x prompts x agents: written once, by process 0
-    assert json.loads((many / "summary.json").read_text())["steps"] == 2
-    assert "eval accuracy" in outputs[0] and all("eval accuracy" not in out for out in outputs[1:])
-    shards = {p.name for p in (many / "checkpoints" / "2" / "state").iterdir() if p.name.startswith("ocdbt.process_")}
-    assert shards == {f"ocdbt.process_{i}" for i in range(processes)}
+    _assert_written_once(tmp_path / "many", outputs)
 
 
-def test_sigkill_of_one_process_then_restart_resumes_exactly(single_process_run, tmp_path):
+def test_sigkill_of_one_process_stops_the_others_then_restart_resumes_exactly(single_process_run, tmp_path):
     flag = "--config.placement=shared"
     procs = _launch(tmp_path / "killed", 2, 4, flag)
     checkpoints, deadline = tmp_path / "killed" / "checkpoints", time.time() + TIMEOUT
@@ -152,11 +158,16 @@ def test_sigkill_of_one_process_then_restart_resumes_exactly(single_process_run,
         while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
             assert all(p.poll() is None for p in procs) and time.time() < deadline, _finish(procs)
             time.sleep(0.2)
-        procs[1].send_signal(signal.SIGKILL)  # the others then block in a collective: stop them too
+        procs[1].send_signal(signal.SIGKILL)
+        out = procs[0].communicate(timeout=TIMEOUT)[0]  # ends by itself (its collective fails or the heartbeat
+        # times out): no hang
+        assert procs[0].returncode != 0, out[-3000:]
     finally:
         _kill(procs)
-    _run(tmp_path / "killed", 2, 4, flag)
+    assert 1 in Checkpointer(str(checkpoints.parent)).all_steps()
+    outputs = _run(tmp_path / "killed", 2, 4, flag)
     _assert_same_run(single_process_run("shared", 8), tmp_path / "killed")
+    _assert_written_once(tmp_path / "killed", outputs)
 
 
 def _refusals(procs: list[subprocess.Popen]) -> list[str]:
@@ -183,6 +194,38 @@ def test_corrupt_config_json_seen_by_process_0_stops_every_process_with_its_line
     errors = _refusals(_launch(tmp_path / "run", 2, 1))
     assert errors[0] == errors[1] and len(errors[0]) == 1, errors
     assert "config.json cannot be read as JSON" in errors[0][0] and "Fix:" in errors[0][0]
+
+
+@pytest.mark.parametrize("view", ["damaged", "stale"])
+def test_checkpoint_one_process_cannot_read_stops_every_process_with_one_line(view, single_process_run, tmp_path):
+    """Process 1 sees another copy of the workdir (as a host with a damaged or stale view of shared storage would):
+    `damaged`: step 2 lacks its largest array file and step 1's is corrupt, so both processes agree that neither step
+    can be restored; `stale`: step 2 is missing, so the processes list different steps. Every process ends with
+    process 0's line, which names process 1; nothing is moved aside."""
+    seen, unseen = tmp_path / "seen", tmp_path / "unseen"
+    for copy in (seen, unseen):
+        shutil.copytree(single_process_run("shared", 8), copy)
+    for step in ("1", "2") if view == "damaged" else ():
+        files = [p for p in (unseen / "checkpoints" / step / "state").rglob("*") if p.is_file()]
+        largest = max(files, key=lambda p: p.stat().st_size)
+        if step == "2":
+            largest.unlink()
+        else:
+            data = bytearray(largest.read_bytes())
+            data[len(data) // 2:] = bytes(b ^ 0xFF for b in data[len(data) // 2:])
+            largest.write_bytes(bytes(data))
+    if view == "stale":
+        shutil.rmtree(unseen / "checkpoints" / "2")
+    errors = _refusals(_launch(seen, 2, 1, "--config.placement=shared", only={1: (f"--workdir={unseen}",)}))
+    assert errors[0] == errors[1] and len(errors[0]) == 1, errors
+    line = errors[0][0]
+    if view == "damaged":
+        assert line.startswith("error: cannot restore") and "restart=True" in line, line
+        assert f"{seen}/checkpoints/2: on process 1: " in line and f"{seen}/checkpoints/1: on process 1: " in line
+    else:
+        assert f"process(es) [1] list other checkpoint steps in {seen}/checkpoints than process 0 ([1, 2])" in line
+        assert "shared filesystem" in line
+    assert sorted(os.listdir(seen / "checkpoints")) == ["1", "2"] and not (seen / "rejected_checkpoints").exists()
 
 
 def test_run_files_and_data_go_through_epath(monkeypatch):
