@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -137,8 +138,23 @@ def _compiled_memory(compile) -> dict:
     return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
 
 
-def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
-    """Compile one agent's sampler (prefill + decode) and GRPO update on `mesh`; their memory per chip."""
+def program_key(config, name: str, program: str, topology: str, mesh_shape: dict, prompt_len: int) -> str:
+    """Everything one agent's `program` ("sampler" or "update") is compiled from, as a JSON string: its model shape
+    and dtypes, the slice, the mesh shape, the prompt width and the rollout settings; the update adds the GRPO,
+    optimiser and schedule settings. Agents of any config with equal keys compile the same program (on a sub-mesh
+    of the same shape, e.g. either half of a slice with partitioned placement)."""
+    spec, g = config.agents[name], config.grpo
+    key = {"program": program, "model_path": spec.model_path, "param_dtype": spec.param_dtype,
+           "compute_dtype": spec.compute_dtype, "topology": topology, "mesh": dict(mesh_shape),
+           "prompt_len": prompt_len, "rollout": config.rollout.to_dict(), "remat": g.remat, "attention": g.attention}
+    if program == "update":
+        key.update(grpo=g.to_dict(), optim=config.optim.to_dict(), max_steps=config.train.max_steps)
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def compile_agent(config, name: str, mesh, prompt_len: int, cache: dict | None = None, topology: str = "") -> dict:
+    """Compile one agent's sampler (prefill + decode) and GRPO update on `mesh` (of slice `topology`); their memory
+    per chip. `cache` (a dict, `program_key` -> memory) skips the programs it holds and receives those compiled."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -171,7 +187,16 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
     sample = SamplingParams(temperature=r.temperature or 1.0, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                             greedy=r.temperature == 0)
-    sampler_memory = _compiled_memory(lambda: sampler.program(
+    cache = {} if cache is None else cache
+
+    def memory(program, compile):
+        key = program_key(config, name, program, topology, mesh.shape, prompt_len)
+        if key not in cache:
+            start = time.perf_counter()
+            cache[key] = dict(_compiled_memory(compile), seconds=round(time.perf_counter() - start, 1))
+        return dict(cache[key])
+
+    sampler_memory = memory("sampler", lambda: sampler.program(
         graphdef, params, sds((P, width), jnp.int32), sds((P, width), bool), key, G,
         round_up(r.max_new_tokens, buckets.new_tokens), sample))
 
@@ -192,7 +217,7 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
         with jax.set_mesh(mesh):
             return cohort.update.lower(graphdef, optimizer, params, opt_state, update_batch, settings).compile()
 
-    update_memory = _compiled_memory(compile_update)
+    update_memory = memory("update", compile_update)
 
     def per_chip(tree) -> int:  # bytes of one chip's shard of every leaf
         return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
@@ -200,29 +225,26 @@ def compile_agent(config, name: str, mesh, prompt_len: int) -> dict:
 
     resident = per_chip(params) * (2 if g.beta > 0 else 1) + per_chip(opt_state)  # + frozen reference when beta > 0
     programs = {"sampler": sampler_memory, "update": update_memory}
-    for mem in programs.values():  # (an "oom" program's arguments are at least the resident state: its temp counts)
+    resident_arguments = {"sampler": per_chip(params), "update": per_chip(params) + per_chip(opt_state)}
+    for program, mem in programs.items():  # (an "oom" program's arguments hold its resident state: its temp counts)
         mem["transient"] = mem["temp"] if "oom" in mem else max(
-            0, mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] - resident)
+            0, mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] - resident_arguments[program])
     return {"model_path": spec.model_path, "decode_attention": sampler.attention,
             "update_attention": model_cfg.attention, "resident": resident,
             "programs": programs}
 
 
 def check(config, topology: str, placement: str, prompt_len: int, cache: dict | None = None) -> dict:
-    """Compile every agent for `topology` with `placement`; per-chip memory and the fit. `cache` (a dict) reuses an
-    agent's compiled figures for the same model, chip kind and mesh shape (e.g. across placements and slices)."""
+    """Compile every agent for `topology` with `placement`; per-chip memory and the fit. `cache` (a dict,
+    `program_key` -> memory) reuses a program's figures wherever its key recurs on this slice: agents of the same
+    shape in any config, on any sub-mesh of the same shape."""
     from corl_jax import cohort
 
     devices, hbm_gib = topology_devices(topology)
     meshes = cohort.agent_meshes(config, devices, placement)
     cache = {} if cache is None else cache
-    agents = {}
-    for name, mesh in zip(config.agents, meshes):
-        key = (config.agents[name].model_path, devices[0].device_kind, tuple(mesh.shape.items()), prompt_len,
-               config.grpo.micro_batch_size, config.grpo.remat)
-        if key not in cache:
-            cache[key] = compile_agent(config, name, mesh, prompt_len)
-        agents[name] = dict(cache[key], mesh=dict(mesh.shape))
+    agents = {name: dict(compile_agent(config, name, mesh, prompt_len, cache, topology), mesh=dict(mesh.shape))
+              for name, mesh in zip(config.agents, meshes)}
     peak_transient = lambda a: max(p["transient"] for p in a["programs"].values())  # noqa: E731
     if placement == "shared":  # every agent's state lives on every chip; the programs run one at a time
         peaks = {name: sum(a["resident"] for a in agents.values()) + peak_transient(agents[name])
