@@ -382,7 +382,7 @@ class Cohort:
 
     def sample(self, agent: Agent, texts: list[str], key: jax.Array, *, num_samples: int, max_new_tokens: int,
                temperature: float) -> Rollouts:
-        """Dispatch one agent's sampling (asynchronous: no host transfer here)."""
+        """Dispatch one agent's sampling (asynchronous: no host transfer here, except `multihost.settled`'s wait)."""
         r = self.config.rollout
         ids, mask = agent.encode(texts, r.max_prompt_len)
         params = SamplingParams(temperature=temperature if temperature > 0 else 1.0, top_p=r.top_p, top_k=r.top_k,
@@ -390,7 +390,7 @@ class Cohort:
         nnx.update(agent.policy.model, agent.params)  # the sampler reads the model's current weights
         out = agent.sampler.generate(ids, mask, num_samples=num_samples, max_new_tokens=max_new_tokens,
                                      params=params, key=key)
-        return Rollouts(ids, mask, out)
+        return Rollouts(ids, mask, multihost.settled(out))
 
     def finish(self, agent: Agent, rollouts: Rollouts) -> Rollouts:
         """Fetch the completions (gathered from every process) and decode their texts (host)."""

@@ -183,7 +183,8 @@ def compile_agent(config, name: str, mesh, prompt_len: int, cache: dict | None =
     buckets = Buckets()
     width = round_up(prompt_len, buckets.prompt)
     P, G = r.prompts_per_step, r.num_generations
-    sampler = Sampler(model, stop_ids=(0,), mesh=mesh, buckets=buckets, attention=r.decode_attention)
+    sampler = Sampler(model, stop_ids=(0,), mesh=mesh, buckets=buckets, attention=r.decode_attention,
+                      compaction=r.decode_compaction)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated)
     sample = SamplingParams(temperature=r.temperature or 1.0, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                             greedy=r.temperature == 0)
@@ -198,7 +199,7 @@ def compile_agent(config, name: str, mesh, prompt_len: int, cache: dict | None =
 
     sampler_memory = memory("sampler", lambda: sampler.program(
         graphdef, params, sds((P, width), jnp.int32), sds((P, width), bool), key, G,
-        round_up(r.max_new_tokens, buckets.new_tokens), sample))
+        round_up(r.max_new_tokens, buckets.new_tokens), sample, sampler.stages(P * G)))
 
     batch = P * G
     optimizer = make_optimizer(o.learning_rate, config.train.max_steps, warmup_ratio=o.warmup_ratio,

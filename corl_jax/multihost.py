@@ -61,6 +61,16 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(read, tree)
 
 
+def settled(tree: Any) -> Any:
+    """`tree` once computed, where several CPU processes run; else `tree` as is (dispatch stays asynchronous).
+    The CPU backend runs every cross-process collective over one gloo connection per process pair, so two programs
+    in flight at once (agents on disjoint devices, partitioned placement) could interleave their collectives in a
+    different order on each process: a mismatch that aborts the run. TPU and GPU collectives have no such limit."""
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        jax.block_until_ready(tree)
+    return tree
+
+
 def broadcast(tree: Any) -> Any:
     """Process 0's value of `tree` (numpy arrays of equal shapes on every process) on every process."""
     if jax.process_count() == 1:

@@ -83,3 +83,22 @@ def test_the_paper_models_have_the_shapes_of_their_checkpoints():
             D * (c.num_heads + 2 * c.num_kv_heads) * hd + c.num_heads * hd * D + 3 * D * c.intermediate_size))
         assert abs(n - size) / size < 0.01, (path, n)
 
+
+
+
+def test_the_sampler_is_compiled_with_the_configs_decode_compaction(tmp_path):
+    """compile_check compiles the sampler the trainer runs: its `rollout.decode_compaction` stages (whose smallest
+    batch must still divide the mesh's batch shards) are part of the compiled program."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_128))
+    config = load_config("ttrl")  # 2 prompts x 4 samples = 8 rows
+    config.agents.qwen25.model_path = str(tmp_path)
+    config.mesh.update(data=-1)
+    config.rollout.update(decode_compaction=2, max_new_tokens=16)
+    devices = compile_check.topology_devices("cpu")[0]
+    [one] = cohort.agent_meshes(config, devices[:1], "shared")
+    sampler = compile_check.compile_agent(config, "qwen25", one, prompt_len=8)["programs"]["sampler"]
+    assert sampler["temp"] > 0 and "oom" not in sampler
+    [eight] = cohort.agent_meshes(config, devices, "shared")  # stages 8, 4, 2 rows over 8 batch shards
+    with pytest.raises(ValueError, match=r"decode compaction 2 halves the batch of 8 rows .* 8 batch shard.*"
+                                         r"lower rollout.decode_compaction"):
+        compile_check.compile_agent(config, "qwen25", eight, prompt_len=8)
