@@ -458,8 +458,8 @@ class Cohort:
             score = _on_mesh(score_completions, agent.mesh)
             _, entropy, mean_logp = score(agent.graphdef, agent.params, b["tokens"], b["attention"],
                                           prompt_len, self.settings)
-            out.append(grpo.intrinsic_rewards(entropy, mean_logp, b["completion_mask"],
-                                              agent.policy.config.vocab_size, kind))
+            out.append(multihost.settled(grpo.intrinsic_rewards(entropy, mean_logp, b["completion_mask"],
+                                                                agent.policy.config.vocab_size, kind)))
         g = self.config.rollout.num_generations
         return np.stack([x.reshape(-1, g) for x in multihost.to_host(out)])
 
