@@ -93,8 +93,12 @@ class Item:
 
 def split_of(canonical: str) -> str:
     """The split a canonical problem belongs to: a fixed hash, so independent of seeds and sizes."""
-    u = int(hashlib.sha256(canonical.encode()).hexdigest()[:12], 16) / 16**12
-    return SPLITS[int(np.searchsorted(np.cumsum(SPLIT_SHARES), u, side="right"))]
+    return SPLITS[int(np.searchsorted(np.cumsum(SPLIT_SHARES), _unit_hash(canonical), side="right"))]
+
+
+def _unit_hash(key: str) -> float:
+    """A fixed number in [0, 1) for `key` (the split of a canonical form, whether a slip is drawn for a problem)."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / 16**12
 
 
 def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LEVELS,
@@ -279,13 +283,12 @@ def _steps(tree) -> list[Step]:
     if isinstance(tree, int):
         return []
     op, left, right = tree
-    steps = _steps(left) + _steps(right)
-    steps.append(Step(_value(left), op, _value(right)))
-    return steps
+    left_steps, right_steps = _steps(left), _steps(right)
 
+    def value(child, child_steps) -> int:  # a leaf's number, or the value of the subtree's last step
+        return child_steps[-1].value if child_steps else child
 
-def _value(tree) -> int:
-    return tree if isinstance(tree, int) else Step(_value(tree[1]), tree[0], _value(tree[2])).value
+    return left_steps + right_steps + [Step(value(left, left_steps), op, value(right, right_steps))]
 
 
 # ----------------------------------------------------------------------------------------------------------- slips
@@ -327,10 +330,6 @@ def generate_slipped(split: str, n: int, seed: int, slip: str, rate: float, **wo
         solution = slipped_solution(item, slip) if _unit_hash(f"slip:{item.canonical}") < rate else None
         problems.append(dataclasses.replace(problem, solution=solution) if solution and problem.solution else problem)
     return problems
-
-
-def _unit_hash(key: str) -> float:
-    return int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / 16**12
 
 
 def _worked(tree, add: Callable[[int, int], int]) -> tuple[list[str], int]:
