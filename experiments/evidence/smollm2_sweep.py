@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_sweep import mean_ci  # noqa: E402
+from smollm2_base import MATH500  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "smollm2.py"
@@ -138,7 +139,6 @@ def aggregate(runs: list[dict]) -> dict:
 
 WORLDS = ("levels=2&word_fraction=0.0&max_value=10", "levels=2&word_fraction=0.0&max_value=20",
           "levels=2&word_fraction=1.0&max_value=20", "levels=2,3&word_fraction=0.0&max_value=60")
-MATH500 = "corl_jax/assets/math500_test.json"
 
 
 def main() -> None:
