@@ -201,3 +201,23 @@ def test_label_agreement_counts_the_slip_prompts(tmp_path):
     assert out["prompts"] == 3
     assert out["teacher_label_slipped_first"] == 0.5 and out["teacher_label_gold_first"] == 0.5
     assert out["label_slipped_first"] == 1.0 and out["label_gold_last"] == 1.0
+
+
+def test_run_jobs_runs_in_order_while_allowed_and_saves_after_each():
+    """The sweeps' shared scheduler (demo_sweep.run_jobs): jobs start in order only while `may_start()` allows,
+    every finished run is recorded, summarised and saved, and the jobs never started stay listed."""
+    import demo_sweep
+
+    jobs = [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    starts, saved = [], []
+
+    def may_start() -> bool:
+        starts.append(len(starts))
+        return len(starts) <= 3  # the 4th check and later refuse
+
+    payload = {"runs": [], "summary": None}
+    run = lambda condition, seed: {"condition": condition, "seed": seed, "seconds": 0.0}  # noqa: E731
+    demo_sweep.run_jobs(jobs, run, 1, may_start, payload, lambda runs: len(runs), lambda: saved.append(1))
+    assert [(r["condition"], r["seed"]) for r in payload["runs"]] == [("a", 0), ("b", 0), ("a", 1)]
+    assert payload["summary"] == 3 and len(saved) == 3
+    assert jobs == [("b", 1)]
