@@ -221,3 +221,35 @@ def test_run_jobs_runs_in_order_while_allowed_and_saves_after_each():
     assert [(r["condition"], r["seed"]) for r in payload["runs"]] == [("a", 0), ("b", 0), ("a", 1)]
     assert payload["summary"] == 3 and len(saved) == 3
     assert jobs == [("b", 1)]
+
+
+def test_label_agreement_on_hand_worked_items(tmp_path):
+    """diversity_sweep.label_agreement against shares counted by hand: 57 + 48 (gold 105, carry slip 95), 3 * 2 (no
+    addition: the slip does not apply) and 19 + 3 (gold 22, carry slip 12); 8 steps, so quarters of 2 steps."""
+    def item(tree):
+        op, a, b = tree
+        return arithmetic.Item(kind="expression", text="", rephrased="", steps=(arithmetic.Step(a, op, b),),
+                               canonical="", tree=tree)
+
+    train = [item(("+", 57, 48)), item(("*", 3, 2)), item(("+", 19, 3))]
+    gold = {0: "105", 1: "6", 2: "22"}
+    rows = [(1, 0, "95", "95"), (1, 1, "6", "6"), (1, 2, "22", "12"),
+            (2, 0, "95", "105"), (2, 2, "12", "12"),
+            *[(step, 0, "0", "0") for step in (3, 4, 5, 6)],
+            (7, 0, "105", "105"), (7, 2, "22", "22"),
+            (8, 0, "105", None), (8, 2, "12", "22")]
+    records = [dict(step=s, prompt_id=p, agent="student", label=label, teacher_label=teacher, gt=gold[p])
+               for s, p, label, teacher in rows]
+    records += [dict(step=s, prompt_id=0, agent="peer", label="95", teacher_label="95", gt="105") for s in (1, 8)]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert diversity_sweep.label_agreement(path, "student", "carry", train) == {
+        "prompts": 12,
+        "teacher_label_slipped_first": 0.75, "teacher_label_gold_first": 0.25,
+        "label_slipped_first": 0.75, "label_gold_first": 0.25,
+        "teacher_label_slipped_last": 0.0, "teacher_label_gold_last": 0.75,
+        "label_slipped_last": 0.25, "label_gold_last": 0.75}
+    assert diversity_sweep.label_agreement(path, "nobody", "carry", train) == {}
+    only_products = tmp_path / "products.jsonl"
+    only_products.write_text(json.dumps(records[1]) + "\n")
+    assert diversity_sweep.label_agreement(only_products, "student", "carry", train) == {}
