@@ -146,7 +146,10 @@ def unpack_parts(part_files, target: str | os.PathLike | None = None) -> Path:
     from safetensors.numpy import save_file
 
     target = Path(target) if target is not None else DEFAULT_CACHE_DIR
-    if (target / "model.safetensors").is_file():
+    if target.exists():
+        if not (target / "model.safetensors").is_file():
+            raise FileExistsError(f"{target} exists but holds no converted SmolLM2 checkpoint; "
+                                  "delete it and call unpack_parts again")
         return target
     entries = {}
     for path in part_files:
