@@ -47,9 +47,10 @@ CURVES = {"eval_accuracy": "eval_reward", "reward": "reward", "mean_length": "co
 
 
 def child_env() -> dict:
-    """Children share one accelerator: no preallocation, memory taken as needed."""
+    """Children share one accelerator: no preallocation, memory taken as needed. They import this checkout's
+    corl_jax: the repository leads PYTHONPATH (smollm2_base.py, run as a script, has no cwd on its path)."""
     return dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(
-        p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p))
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
 
 
 def pick_world(measured: dict, worlds: list[str], default: str) -> str:
