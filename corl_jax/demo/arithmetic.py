@@ -83,8 +83,8 @@ class Item:
 
     @property
     def solution(self) -> str:
-        lines = [(f"{s.label}: " if s.label else "") + f"{s.left} {s.op} {s.right} = {s.value}." for s in self.steps]
-        return "\n".join(lines + [f"The answer is \\boxed{{{self.answer}}}."])
+        lines = [(f"{s.label}: " if s.label else "") + _step_line(s.left, s.op, s.right, s.value) for s in self.steps]
+        return _solution_text(lines, self.answer)
 
     def problem(self, index: int, split: str) -> Problem:
         return Problem(id=index, text=self.text, answer=str(self.answer), source=f"arithmetic:{split}",
@@ -316,7 +316,7 @@ def slipped_solution(item: Item, slip: str) -> str | None:
         return None
     if answer == item.answer:
         return None
-    return "\n".join(lines + [f"The answer is \\boxed{{{answer}}}."])
+    return _solution_text(lines, answer)
 
 
 def generate_slipped(split: str, n: int, seed: int, slip: str, rate: float, **world) -> list[Problem]:
@@ -342,7 +342,16 @@ def _worked(tree, add: Callable[[int, int], int]) -> tuple[list[str], int]:
     if op == "/" and a % b:
         raise ValueError(f"{a} / {b} is not a whole number")
     value = add(a, b) if op == "+" else OPS[op](a, b)
-    return left_lines + right_lines + [f"{a} {op} {b} = {value}."], value
+    return left_lines + right_lines + [_step_line(a, op, b, value)], value
+
+
+def _step_line(left: int, op: str, right: int, value: int) -> str:
+    return f"{left} {op} {right} = {value}."
+
+
+def _solution_text(lines: list[str], answer: int) -> str:
+    """A worked solution: its step lines, then the boxed answer."""
+    return "\n".join(lines + [f"The answer is \\boxed{{{answer}}}."])
 
 
 def _add_without_carry(a: int, b: int) -> int:
