@@ -253,3 +253,18 @@ def test_label_agreement_on_hand_worked_items(tmp_path):
     only_products = tmp_path / "products.jsonl"
     only_products.write_text(json.dumps(records[1]) + "\n")
     assert diversity_sweep.label_agreement(only_products, "student", "carry", train) == {}
+
+
+def test_build_command_builds_the_named_slip_base(tmp_path, monkeypatch):
+    """bases.build_command (build_all's and diversity_sweep's child): its arguments, run as the child runs them, build
+    the current recipe of a `SLIP_BASES` name into that name's cache directory."""
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path))
+    family, recipe = demo_bases.SLIP_BASES["slip-sign"]
+    reduced = dataclasses.replace(recipe, num_examples=64, steps=2, batch_size=4)
+    monkeypatch.setitem(demo_bases.SLIP_BASES, "slip-sign", (family, reduced))
+    command = demo_bases.build_command("slip-sign")
+    assert command[:2] == [sys.executable, "-c"] and "build_once_from_json" in command[2]
+    assert command[3:5] == ["qwen3", str(tmp_path / "zoo" / f"demo-slip-sign-{demo_bases.recipe_key(reduced)}")]
+    demo_bases.build_once_from_json(*command[3:])
+    record = json.loads((Path(command[4]) / demo_bases.RECORD_FILE).read_text())
+    assert record["recipe"]["slip"] == "sign" and record["recipe"]["seed"] == 44 and len(record["sft_losses"]) == 2

@@ -64,10 +64,8 @@ def build_bases(sft_overrides: dict) -> dict[str, Path]:
         family, recipe = demo_bases.SLIP_BASES[name]
         demo_bases.SLIP_BASES[name] = (family, dataclasses.replace(recipe, **sft_overrides))
     directories = {name: demo_bases._cache_dir(name) for name in BASES}
-    code = "import sys; from corl_jax.demo import bases; bases.build_once_from_json(*sys.argv[1:])"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    children = [subprocess.Popen([sys.executable, "-c", code, demo_bases.SLIP_BASES[name][0], str(directory),
-                                  json.dumps(dataclasses.asdict(demo_bases.SLIP_BASES[name][1]))], env=env, cwd=REPO)
+    children = [subprocess.Popen(demo_bases.build_command(name), env=env, cwd=REPO)
                 for name, directory in directories.items() if not checkpoints.is_built(directory)]
     failed = [child.args for child in children if child.wait()]
     if failed:
