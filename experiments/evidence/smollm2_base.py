@@ -17,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+MATH500 = "math500"  # the MATH-500 copy in the repository (corl_jax/assets/, `corl_jax.data.MATH500_PATH`)
 SOURCES = ("arithmetic:test?levels=2&word_fraction=1&max_value=20",
            "arithmetic:test?levels=2&word_fraction=0&max_value=20",
            "arithmetic:test?levels=3&word_fraction=1&max_value=20",
            "arithmetic:test?levels=2,3&word_fraction=0&max_value=60",
-           "../shared/data/math500_test.json")
+           MATH500)
 
 
 def measure(directory, problems, *, samples: int, max_new_tokens: int, seed: int = 0) -> dict:

@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_sweep import mean_ci  # noqa: E402
+from smollm2_base import MATH500  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "smollm2.py"
@@ -46,9 +47,10 @@ CURVES = {"eval_accuracy": "eval_reward", "reward": "reward", "mean_length": "co
 
 
 def child_env() -> dict:
-    """Children share one accelerator: no preallocation, memory taken as needed."""
+    """Children share one accelerator: no preallocation, memory taken as needed. They import this checkout's
+    corl_jax: the repository leads PYTHONPATH (smollm2_base.py, run as a script, has no cwd on its path)."""
     return dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(
-        p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p))
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
 
 
 def pick_world(measured: dict, worlds: list[str], default: str) -> str:
@@ -138,7 +140,6 @@ def aggregate(runs: list[dict]) -> dict:
 
 WORLDS = ("levels=2&word_fraction=0.0&max_value=10", "levels=2&word_fraction=0.0&max_value=20",
           "levels=2&word_fraction=1.0&max_value=20", "levels=2,3&word_fraction=0.0&max_value=60")
-MATH500 = "corl_jax/assets/math500_test.json"
 
 
 def main() -> None:
