@@ -196,6 +196,7 @@ def main() -> None:
     save()
     stop_at = t0 + args.time_limit
     jobs = [(c, s) for s in args.seeds for c in args.conditions]
+    dropped = []  # pair_demo jobs whose partner failed to build: listed in not_started
     with ThreadPoolExecutor(args.parallel) as pool:
         pending = set()
         while jobs or pending:
@@ -204,6 +205,7 @@ def main() -> None:
                 payload["prepare"].update(partner_seconds=round(time.time() - t0, 1), partner_exit=partner.returncode)
                 if partner.returncode != 0:
                     payload["prepare"]["partner_error"] = stderr[-2000:]
+                    dropped += [j for j in jobs if j[0] == "pair_demo"]
                     jobs = [j for j in jobs if j[0] != "pair_demo"]
                 partner = None
             ready = [j for j in jobs if j[0] != "pair_demo" or partner is None]
@@ -221,7 +223,7 @@ def main() -> None:
                 run = future.result()
                 payload["runs"].append(run)
                 payload["summary"] = aggregate(payload["runs"])
-                payload["not_started"] = [f"{c}-s{s}" for c, s in jobs]
+                payload["not_started"] = [f"{c}-s{s}" for c, s in jobs + dropped]
                 payload["wall_seconds"] = round(time.time() - t0, 1)
                 save()
                 print(f"{run['condition']} seed {run['seed']}: "
@@ -229,7 +231,7 @@ def main() -> None:
                       + (f" ({run['error'][-300:]})" if "error" in run else ""), flush=True)
     if partner is not None:
         partner.kill()
-    payload["not_started"] = [f"{c}-s{s}" for c, s in jobs]
+    payload["not_started"] = [f"{c}-s{s}" for c, s in jobs + dropped]
     payload["wall_seconds"] = round(time.time() - t0, 1)
     save()
     print(json.dumps(payload["summary"], indent=1))
