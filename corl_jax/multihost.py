@@ -65,7 +65,8 @@ def settled(tree: Any) -> Any:
     """`tree` once computed, where several CPU processes run; else `tree` as is (dispatch stays asynchronous).
     The CPU backend runs every cross-process collective over one gloo connection per process pair, so two programs
     in flight at once (agents on disjoint devices, partitioned placement) could interleave their collectives in a
-    different order on each process: a mismatch that aborts the run. TPU and GPU collectives have no such limit."""
+    different order on each process: a mismatch that aborts the run. TPU and GPU collectives do not go through
+    gloo, so there the dispatch stays asynchronous."""
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
         jax.block_until_ready(tree)
     return tree

@@ -84,8 +84,6 @@ def test_the_paper_models_have_the_shapes_of_their_checkpoints():
         assert abs(n - size) / size < 0.01, (path, n)
 
 
-
-
 def test_the_sampler_is_compiled_with_the_configs_decode_compaction(tmp_path):
     """compile_check compiles the sampler the trainer runs: its `rollout.decode_compaction` stages (whose smallest
     batch must still divide the mesh's batch shards) are part of the compiled program."""

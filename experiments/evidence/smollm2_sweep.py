@@ -197,6 +197,12 @@ def main() -> None:
     stop_at = t0 + args.time_limit
     jobs = [(c, s) for s in args.seeds for c in args.conditions]
     dropped = []  # pair_demo jobs whose partner failed to build: listed in not_started
+
+    def record_progress() -> None:
+        payload["not_started"] = [f"{c}-s{s}" for c, s in jobs + dropped]
+        payload["wall_seconds"] = round(time.time() - t0, 1)
+        save()
+
     with ThreadPoolExecutor(args.parallel) as pool:
         pending = set()
         while jobs or pending:
@@ -223,17 +229,13 @@ def main() -> None:
                 run = future.result()
                 payload["runs"].append(run)
                 payload["summary"] = aggregate(payload["runs"])
-                payload["not_started"] = [f"{c}-s{s}" for c, s in jobs + dropped]
-                payload["wall_seconds"] = round(time.time() - t0, 1)
-                save()
+                record_progress()
                 print(f"{run['condition']} seed {run['seed']}: "
                       + ", ".join(f"{n} {a['base_accuracy']}->{a['final_accuracy']}" for n, a in run.get("agents", {}).items())
                       + (f" ({run['error'][-300:]})" if "error" in run else ""), flush=True)
     if partner is not None:
         partner.kill()
-    payload["not_started"] = [f"{c}-s{s}" for c, s in jobs + dropped]
-    payload["wall_seconds"] = round(time.time() - t0, 1)
-    save()
+    record_progress()
     print(json.dumps(payload["summary"], indent=1))
 
 
