@@ -190,17 +190,22 @@ def test_label_agreement_counts_the_slip_prompts(tmp_path):
     other = next(i for i, item in enumerate(train) if not arithmetic.slipped_solution(item, "carry"))
     slipped = [str(diversity_sweep.slipped_answer(train[i], "carry")) for i in ids]
     gold = [str(train[i].answer) for i in ids]
-    rows = [dict(step=1, prompt_id=ids[0], agent="a", label=slipped[0], teacher_label=slipped[0], gt=gold[0]),
-            dict(step=1, prompt_id=ids[1], agent="a", label=slipped[1], teacher_label=gold[1], gt=gold[1]),
-            dict(step=1, prompt_id=other, agent="a", label="1", teacher_label="1", gt="1"),
-            dict(step=1, prompt_id=ids[0], agent="b", label=gold[0], teacher_label=gold[0], gt=gold[0]),
-            dict(step=2, prompt_id=ids[0], agent="a", label=gold[0], teacher_label=gold[0], gt=gold[0])]
+    rows = [dict(step=1, prompt_id=ids[0], agent="a", label=slipped[0], teacher_label=slipped[0], gt=gold[0],
+                 rewards=[1.0, 1.0]),
+            dict(step=1, prompt_id=ids[1], agent="a", label=slipped[1], teacher_label=gold[1], gt=gold[1],
+                 rewards=[0.0, 1.0]),
+            dict(step=1, prompt_id=other, agent="a", label="1", teacher_label="1", gt="1", rewards=[0.0, 0.0]),
+            dict(step=1, prompt_id=ids[0], agent="b", label=gold[0], teacher_label=gold[0], gt=gold[0],
+                 rewards=[1.0, 1.0]),
+            dict(step=2, prompt_id=ids[0], agent="a", label=gold[0], teacher_label=gold[0], gt=gold[0],
+                 rewards=[0.0, 1.0])]
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = diversity_sweep.label_agreement(path, "a", "carry", train)
     assert out["prompts"] == 3
     assert out["teacher_label_slipped_first"] == 0.5 and out["teacher_label_gold_first"] == 0.5
     assert out["label_slipped_first"] == 1.0 and out["label_gold_last"] == 1.0
+    assert out["no_signal_first"] == 0.5 and out["no_signal_last"] == 0.0
 
 
 def test_run_jobs_runs_in_order_while_allowed_and_saves_after_each():
@@ -225,7 +230,8 @@ def test_run_jobs_runs_in_order_while_allowed_and_saves_after_each():
 
 def test_label_agreement_on_hand_worked_items(tmp_path):
     """diversity_sweep.label_agreement against shares counted by hand: 57 + 48 (gold 105, carry slip 95), 3 * 2 (no
-    addition: the slip does not apply) and 19 + 3 (gold 22, carry slip 12); 8 steps, so quarters of 2 steps."""
+    addition: the slip does not apply) and 19 + 3 (gold 22, carry slip 12); 8 steps, so quarters of 2 steps. A row's
+    G=2 rewards are equal (no GRPO signal) in half of the first quarter's slip rows and a quarter of the last's."""
     def item(tree):
         op, a, b = tree
         return arithmetic.Item(kind="expression", text="", rephrased="", steps=(arithmetic.Step(a, op, b),),
@@ -233,14 +239,15 @@ def test_label_agreement_on_hand_worked_items(tmp_path):
 
     train = [item(("+", 57, 48)), item(("*", 3, 2)), item(("+", 19, 3))]
     gold = {0: "105", 1: "6", 2: "22"}
-    rows = [(1, 0, "95", "95"), (1, 1, "6", "6"), (1, 2, "22", "12"),
-            (2, 0, "95", "105"), (2, 2, "12", "12"),
-            *[(step, 0, "0", "0") for step in (3, 4, 5, 6)],
-            (7, 0, "105", "105"), (7, 2, "22", "22"),
-            (8, 0, "105", None), (8, 2, "12", "22")]
-    records = [dict(step=s, prompt_id=p, agent="student", label=label, teacher_label=teacher, gt=gold[p])
-               for s, p, label, teacher in rows]
-    records += [dict(step=s, prompt_id=0, agent="peer", label="95", teacher_label="95", gt="105") for s in (1, 8)]
+    rows = [(1, 0, "95", "95", [0, 0]), (1, 1, "6", "6", [1, 1]), (1, 2, "22", "12", [0, 1]),
+            (2, 0, "95", "105", [1, 1]), (2, 2, "12", "12", [0, 1]),
+            *[(step, 0, "0", "0", [0, 0]) for step in (3, 4, 5, 6)],
+            (7, 0, "105", "105", [1, 0]), (7, 2, "22", "22", [1, 0]),
+            (8, 0, "105", None, [0, 0]), (8, 2, "12", "22", [1, 0])]
+    records = [dict(step=s, prompt_id=p, agent="student", label=label, teacher_label=teacher, gt=gold[p],
+                    rewards=rewards) for s, p, label, teacher, rewards in rows]
+    records += [dict(step=s, prompt_id=0, agent="peer", label="95", teacher_label="95", gt="105", rewards=[1, 1])
+                for s in (1, 8)]
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert diversity_sweep.label_agreement(path, "student", "carry", train) == {
@@ -248,7 +255,7 @@ def test_label_agreement_on_hand_worked_items(tmp_path):
         "teacher_label_slipped_first": 0.75, "teacher_label_gold_first": 0.25,
         "label_slipped_first": 0.75, "label_gold_first": 0.25,
         "teacher_label_slipped_last": 0.0, "teacher_label_gold_last": 0.75,
-        "label_slipped_last": 0.25, "label_gold_last": 0.75}
+        "label_slipped_last": 0.25, "label_gold_last": 0.75, "no_signal_first": 0.5, "no_signal_last": 0.25}
     assert diversity_sweep.label_agreement(path, "nobody", "carry", train) == {}
     only_products = tmp_path / "products.jsonl"
     only_products.write_text(json.dumps(records[1]) + "\n")
@@ -268,3 +275,22 @@ def test_build_command_builds_the_named_slip_base(tmp_path, monkeypatch):
     demo_bases.build_once_from_json(*command[3:])
     record = json.loads((Path(command[4]) / demo_bases.RECORD_FILE).read_text())
     assert record["recipe"]["slip"] == "sign" and record["recipe"]["seed"] == 44 and len(record["sft_losses"]) == 2
+
+
+def test_merged_payload_joins_runs_of_several_commands(tmp_path):
+    """demo_sweep.merged_payload: the runs of every file (FILE:COND keeps only that condition's), each tagged with
+    its file and device, the first measurement of the bases found, and the summary recomputed over all runs."""
+    import demo_sweep
+
+    first = dict(command="first", device="H100", bases=None,
+                 runs=[dict(condition="ttrl", seed=0), dict(condition="gt_reward", seed=0)])
+    second = dict(command="second", device="H200", bases={"kappa": 1},
+                  runs=[dict(condition="ttrl", seed=1, device="other"), dict(condition="gt_reward", seed=1)])
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, payload in zip(paths, (first, second)):
+        path.write_text(json.dumps(payload))
+    merged = demo_sweep.merged_payload([str(paths[0]), f"{paths[1]}:ttrl"], lambda runs: len(runs), keys=("bases",))
+    assert [(r["condition"], r["seed"], r["device"], r["sweep"]) for r in merged["runs"]] == [
+        ("ttrl", 0, "H100", str(paths[0])), ("gt_reward", 0, "H100", str(paths[0])), ("ttrl", 1, "other", str(paths[1]))]
+    assert merged["bases"] == {"kappa": 1} and merged["summary"] == 3
+    assert [m["conditions"] for m in merged["merged"]] == ["all", "ttrl"]

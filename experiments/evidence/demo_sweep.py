@@ -78,6 +78,20 @@ def run_jobs(jobs: list, run, parallel: int, may_start, payload: dict, aggregate
                 save()
 
 
+def merged_payload(specs: list[str], aggregate, keys: tuple[str, ...]) -> dict:
+    """One sweep payload from the runs of several sweep JSON files (seeds or conditions run by separate commands or
+    on other machines). A spec is FILE, or FILE:COND,COND for only those conditions' runs. Each run keeps its file
+    and device; each of `keys` comes from the first file that has it; `aggregate` recomputes the summary."""
+    files = [spec.partition(":") for spec in specs]
+    parts = [json.loads(Path(f).read_text()) for f, _, _ in files]
+    runs = [dict(r, device=r.get("device", p.get("device")), sweep=f) for (f, _, keep), p in zip(files, parts)
+            for r in p["runs"] if not keep or r["condition"] in keep.split(",")]
+    merged = [dict(file=f, conditions=keep or "all", command=p["command"], device=p.get("device"),
+                   note=p.get("note", "")) for (f, _, keep), p in zip(files, parts)]
+    return dict(command=" ".join(sys.argv), merged=merged, runs=runs, summary=aggregate(runs),
+                **{key: next((p[key] for p in parts if p.get(key) is not None), None) for key in keys})
+
+
 def measure_bases(num_test: int) -> dict:
     """Each base's test accuracy (two sampling seeds) and the kappa of per-problem correctness between bases."""
     from corl_jax.demo import arithmetic
@@ -200,19 +214,12 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", default=[],
                         help="sweep.json files (e.g. seeds run on different machines) whose runs make "
                              "<out>/sweep.json; FILE:COND,COND takes only those conditions' runs from FILE; "
-                             "the first file's bases are kept")
+                             "the bases of the first file that has them are kept")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
-        files = [spec.partition(":") for spec in args.merge]  # FILE or FILE:CONDITION,CONDITION
-        parts = [json.loads(Path(f).read_text()) for f, _, _ in files]
-        runs = [dict(r, device=p.get("device"), sweep=f) for (f, _, keep), p in zip(files, parts) for r in p["runs"]
-                if not keep or r["condition"] in keep.split(",")]
-        payload = dict(command=" ".join(sys.argv), merged=[dict(file=f, conditions=keep or "all", command=p["command"],
-                                                                device=p.get("device"), note=p.get("note", ""))
-                                                           for (f, _, keep), p in zip(files, parts)],
-                       bases=parts[0].get("bases"), runs=runs, summary=aggregate(runs))
+        payload = merged_payload(args.merge, aggregate, keys=("bases",))
         payload["plots"] = plot(payload, out)
         (out / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")
         print(json.dumps(payload["summary"], indent=1))

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_sweep import mean_ci, run_jobs  # noqa: E402
+from demo_sweep import mean_ci, merged_payload, run_jobs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STUDENT = "slip-carry-a"
@@ -118,7 +118,8 @@ def slipped_answer(item, slip: str) -> int | None:
 
 def label_agreement(records_path: Path, agent: str, slip: str, train_items) -> dict:
     """On the training prompts where `slip` applies: the share of `agent`'s reward labels (its teacher's vote) and
-    of its own votes that are the slipped answer or the gold one, over the run's first and last quarter of steps."""
+    of its own votes that are the slipped answer or the gold one, over the run's first and last quarter of steps;
+    and `no_signal`, the share of those prompts whose G rewards are all equal (GRPO's advantage is zero there)."""
     rows = [json.loads(line) for line in records_path.read_text().splitlines()]
     rows = [r for r in rows if r["agent"] == agent]
     slipped = {}
@@ -137,6 +138,7 @@ def label_agreement(records_path: Path, agent: str, slip: str, train_items) -> d
             out[f"{field}_slipped_{part}"] = round(float(np.mean(
                 [r[field] == str(slipped[r["prompt_id"]]) for r in part_rows])), 4)
             out[f"{field}_gold_{part}"] = round(float(np.mean([r[field] == r["gt"] for r in part_rows])), 4)
+        out[f"no_signal_{part}"] = round(float(np.mean([len(set(r["rewards"])) == 1 for r in part_rows])), 4)
     return out
 
 
@@ -237,9 +239,13 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="extra --config.* flag for every run")
     parser.add_argument("--workdirs", default=tempfile.mkdtemp(prefix="diversity_sweep_"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plot of --out")
+    parser.add_argument("--merge", nargs="+", default=[],
+                        help="diversity JSON files (e.g. seeds run by separate commands) whose runs make --out; "
+                             "FILE:COND,COND takes only those conditions' runs; the first bases measurement is kept")
     args = parser.parse_args()
-    if args.replot:
-        payload = json.loads(Path(args.out).read_text())
+    if args.merge or args.replot:
+        payload = merged_payload(args.merge, aggregate, keys=("bases", "base_dirs", "student", "steps")) \
+            if args.merge else json.loads(Path(args.out).read_text())
         payload["plot"] = plot(payload, Path(args.out))
         Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
         return
