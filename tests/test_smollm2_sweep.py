@@ -74,10 +74,22 @@ def test_unpack_parts_names_missing_parts(tmp_path):
         smollm2.unpack_parts([part], tmp_path / "out")
 
 
-def test_pick_world_prefers_symbolic_worlds_in_range_then_nearest_035():
+def _sweep_module():
     spec = importlib.util.spec_from_file_location("smollm2_sweep", REPO / "experiments" / "evidence" / "smollm2_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
+    return sweep
+
+
+@pytest.mark.parametrize("split", ["rl", "test"])
+def test_every_candidate_world_holds_the_runs_splits(split):
+    """A world the sweep may pick must give the run its whole split (the H100 sweep failed on a world too small)."""
+    for world in _sweep_module().WORLDS:
+        assert len(load_problems(f"arithmetic:{split}?{world}")) == {"rl": 2000, "test": 500}[split]
+
+
+def test_pick_world_prefers_symbolic_worlds_in_range_then_nearest_035():
+    sweep = _sweep_module()
     worlds = ["levels=2&word_fraction=0.0&max_value=20", "levels=2,3&word_fraction=0.0&max_value=60",
               "levels=2&word_fraction=1.0&max_value=20"]
     measured = lambda *accs: {f"arithmetic:test?{w}": {"t1_mean": a} for w, a in zip(worlds, accs)}  # noqa: E731
