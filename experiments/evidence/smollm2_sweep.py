@@ -167,6 +167,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.merge:
         payload = merged_payload(args.merge, aggregate, keys=("world", "base_accuracy", "config"))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, args.name).write_text(json.dumps(payload, indent=1) + "\n")
         print(json.dumps(payload["summary"], indent=1))
         return
