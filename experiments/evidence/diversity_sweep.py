@@ -236,6 +236,9 @@ def main() -> None:
     parser.add_argument("--bases", help="a JSON file whose 'bases' measurement to reuse instead of measuring")
     parser.add_argument("--sft-steps", type=int, help="override the bases' SFT steps (smoke tests; other bases)")
     parser.add_argument("--sft-examples", type=int, help="override the bases' SFT problems (smoke tests)")
+    parser.add_argument("--slip-rate", type=float,
+                        help="override the bases' slip rate: the share of the problems a slip applies to whose SFT "
+                             "solution slips (default: the recipes' 1.0, every one)")
     parser.add_argument("--override", action="append", default=[], help="extra --config.* flag for every run")
     parser.add_argument("--workdirs", default=tempfile.mkdtemp(prefix="diversity_sweep_"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plot of --out")
@@ -256,12 +259,15 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = dict(command=" ".join(sys.argv), cache=os.environ.get("CORL_JAX_CACHE"), student=STUDENT,
-                   steps=args.steps, runs=[], summary={})
+                   steps=args.steps, slip_rate=args.slip_rate or 1.0, runs=[], summary={})
     save = lambda: out.write_text(json.dumps(payload, indent=1) + "\n")  # noqa: E731
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # runs share one accelerator
     from corl_jax.demo import arithmetic
 
-    overrides = {k: v for k, v in (("steps", args.sft_steps), ("num_examples", args.sft_examples)) if v}
+    overrides = {k: v for k, v in (("steps", args.sft_steps), ("num_examples", args.sft_examples),
+                                   ("slip_rate", args.slip_rate)) if v is not None}
+    if not 0 < overrides.get("slip_rate", 1) <= 1:
+        parser.error(f"--slip-rate must be in (0, 1]; got {args.slip_rate}")
     directories = build_bases(overrides)
     payload["base_dirs"] = {name: d.name for name, d in directories.items()}
     payload["bases_seconds"] = round(time.time() - start, 1)
