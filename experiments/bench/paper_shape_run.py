@@ -46,8 +46,9 @@ def model_path(agent: str, size: str) -> str:
     return f"random:{PAPER[agent]}" + (f"@{TINY_OPTIONS[agent]}" if size == "tiny" else "")
 
 
-def train_command(workdir: str, size: str, max_steps: int) -> list[str]:
-    s = SETTINGS[size]
+def train_command(workdir: str, size: str, max_steps: int, prompts: int | None = None) -> list[str]:
+    """The trainer's command; `prompts` replaces the size's prompts per step (e.g. to fit an 80 GB card)."""
+    s = dict(SETTINGS[size], **({"prompts_per_step": prompts} if prompts else {}))
     agents = [arg for agent in PAPER for arg in (f"--config.agents.{agent}.model_path={model_path(agent, size)}",
                                                  f"--config.agents.{agent}.param_dtype=bfloat16")]
     sources = ["--config.data.train_path=math500", "--config.data.holdout_size=0", "--config.data.skip_bad_rows=True"]
@@ -59,7 +60,7 @@ def train_command(workdir: str, size: str, max_steps: int) -> list[str]:
             f"--config.rollout.max_new_tokens={s['max_new_tokens']}",
             f"--config.grpo.micro_batch_size={s['micro_batch_size']}",
             f"--config.data.max_eval_samples={s['max_eval_samples']}", f"--config.train.max_steps={max_steps}",
-            "--config.train.save_every=1", "--config.train.keep_last=1", "--config.train.eval_on_start=False",
+            f"--config.train.save_every={max_steps}", "--config.train.keep_last=1", "--config.train.eval_on_start=False",
             "--config.train.eval_every=1000", f"--config.train.eval_max_new_tokens={s['eval_max_new_tokens']}",
             "--config.train.log_records=False"]
 
@@ -72,7 +73,7 @@ def eval_command(workdir: str, size: str) -> list[str]:
 
 
 # bf16 parameters + two bf16 AdamW moments of the 8.3B parameters; a resumed run's new checkpoint is written before
-# keep_last=1 deletes the old one, so the workdir briefly holds two.
+# keep_last=1 deletes the old one, so the workdir briefly holds two. Each invocation saves its last step only.
 CHECKPOINT_BYTES = {"paper": 8.3e9 * 2 * 3, "tiny": 0}
 
 
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", required=True, help="run directory (emptied first); /dev/shm on the device")
     parser.add_argument("--out", required=True, help="result JSON")
     parser.add_argument("--steps", type=int, default=2, help="steps of the first invocation")
+    parser.add_argument("--prompts", type=int, help="prompts per step (x 8 completions; default: the size's, "
+                        "16 for paper); 8 halves the sampler's KV cache, for an 80 GB card")
     parser.add_argument("--resume-steps", type=int, default=1,
                         help="steps the resumed invocation adds; 0 restores the checkpoint and stops (for a disk that "
                              "holds one checkpoint but not the two a resumed save briefly needs)")
@@ -127,8 +130,9 @@ def main(argv=None) -> int:
     phases["build"] = {"wall_s": round(time.perf_counter() - start, 2), "returncode": 0}
     partial = {"command": " ".join([sys.executable, *sys.argv]), "size": args.size, **info, "phases": phases}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for name, command in [("first", train_command(args.workdir, args.size, args.steps)),
-                          ("resume", train_command(args.workdir, args.size, args.steps + args.resume_steps)),
+    for name, command in [("first", train_command(args.workdir, args.size, args.steps, args.prompts)),
+                          ("resume", train_command(args.workdir, args.size, args.steps + args.resume_steps,
+                                                   args.prompts)),
                           ("eval", eval_command(args.workdir, args.size))]:
         run_phase(name, command, phases)
         Path(args.out).write_text(json.dumps(partial, indent=2))  # what is done so far, should a later phase die
@@ -142,7 +146,8 @@ def main(argv=None) -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "size": args.size, **info, "env": env_note,
         "agents": {agent: model_path(agent, args.size) for agent in PAPER},
-        "settings": {"param_dtype": "bfloat16 (AdamW moments follow: bfloat16)", **SETTINGS[args.size]},
+        "settings": {"param_dtype": "bfloat16 (AdamW moments follow: bfloat16)", **SETTINGS[args.size],
+                     **({"prompts_per_step": args.prompts} if args.prompts else {})},
         "phases": phases,
         "resume_steps": args.resume_steps,
         "steps": per_step,  # the first step of each invocation (1 and steps+1) includes compilation
