@@ -188,10 +188,18 @@ def _snapshot(cohort: Cohort, stream: PromptStream, step: int, history: EvalHist
 
 
 def _restore(checkpointer: Checkpointer, cohort: Cohort, stream: PromptStream, fallback: bool):
-    """Load the latest good checkpoint into the cohort and the stream; (step, history, nonfinite, faults)."""
-    target = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
-    snap = checkpointer.restore(state_target=jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target), fallback_to_previous=fallback)
+    """Load the latest good checkpoint into the cohort and the stream; (step, history, nonfinite, faults).
+
+    The cohort's freshly initialised parameters and optimiser state are freed first: the restore reads into new
+    buffers, and a cohort at paper sizes does not fit its device twice (a failed restore ends the run anyway)."""
+    initial = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), initial)
+    for x in jax.tree.leaves(initial):
+        if not x.is_deleted():
+            x.delete()
+    for agent in cohort.agents:
+        agent.params = agent.opt_state = None
+    snap = checkpointer.restore(state_target=target, fallback_to_previous=fallback)
     for agent in cohort.agents:
         agent.params = snap.state[agent.name]["params"]
         agent.opt_state = snap.state[agent.name]["opt_state"]

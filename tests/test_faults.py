@@ -21,7 +21,7 @@ import pytest
 
 from config_files import load_config
 from corl_jax import workdir as run_dir
-from corl_jax.checkpointing import Checkpointer
+from corl_jax.checkpointing import Checkpointer, fingerprint
 from corl_jax.cohort import Cohort, check_prompt_lengths, load_agents
 from corl_jax.config import ConfigError, validate
 from corl_jax.data import load_problems
@@ -261,3 +261,20 @@ def test_sigterm_saves_then_exits_143_and_resumes_exactly(straight, compilation_
     assert 1 <= step < STEPS and f"stopped by SIGTERM after step {step}; its checkpoint is saved" in out
     assert run(tiny(save_every=100), str(tmp_path)) == 0
     assert_same_final_state(straight, tmp_path)
+
+
+def test_resume_frees_the_initial_state_before_reading_the_checkpoint(straight):
+    """At paper sizes the fresh state and the restored one do not fit a device together (an H100 ran out of memory
+    restoring the 8.3B-parameter ring3): the resume releases the initial buffers first, and restores exactly."""
+    from corl_jax.data import PromptStream, load_train_and_eval
+    from corl_jax.loop import _restore
+
+    config = tiny()
+    cohort = Cohort(config, load_agents(config, STEPS))
+    initial = jax.tree.leaves([(a.params, a.opt_state) for a in cohort.agents])
+    stream = PromptStream(load_train_and_eval(config.data)[0], config.rollout.prompts_per_step, config.data_seed)
+    with Checkpointer(str(straight)) as checkpointer:
+        step, *_ = _restore(checkpointer, cohort, stream, fallback=False)
+    assert step == STEPS and initial and all(x.is_deleted() for x in initial)
+    restored = {a.name: {"params": a.params, "opt_state": a.opt_state} for a in cohort.agents}
+    assert fingerprint(restored) == fingerprint(final_state(straight))  # by array path: every bit equal
