@@ -294,3 +294,19 @@ def test_merged_payload_joins_runs_of_several_commands(tmp_path):
         ("ttrl", 0, "H100", str(paths[0])), ("gt_reward", 0, "H100", str(paths[0])), ("ttrl", 1, "other", str(paths[1]))]
     assert merged["bases"] == {"kappa": 1} and merged["summary"] == 3
     assert [m["conditions"] for m in merged["merged"]] == ["all", "ttrl"]
+
+
+def test_slip_rate_override_reaches_every_base_recipe(tmp_path, monkeypatch):
+    """diversity_sweep --slip-rate: every base's recipe (and so its cache directory and its build child's recipe)
+    carries the rate; a rate outside (0, 1] is a usage error before anything is built."""
+    monkeypatch.setenv("CORL_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo_bases, "SLIP_BASES", dict(demo_bases.SLIP_BASES))  # build_bases rewrites the recipes
+    monkeypatch.setattr(checkpoints, "is_built", lambda directory: True)        # nothing is built
+    default = {name: demo_bases._cache_dir(name) for name in diversity_sweep.BASES}
+    directories = diversity_sweep.build_bases({"slip_rate": 0.5})
+    assert set(directories) == set(default) and not set(directories.values()) & set(default.values())
+    for name in diversity_sweep.BASES:
+        assert json.loads(demo_bases.build_command(name)[5])["slip_rate"] == 0.5
+    with pytest.raises(SystemExit) as stop:
+        diversity_sweep.main(["--out", str(tmp_path / "d.json"), "--slip-rate", "1.5"])
+    assert stop.value.code == 2

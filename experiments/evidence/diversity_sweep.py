@@ -221,7 +221,7 @@ def plot(payload: dict, path: Path) -> str | None:
     return out.name
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="experiments/results/diversity/diversity.json")
     parser.add_argument("--conditions", type=lambda s: s.split(","), default=list(CONDITIONS))
@@ -245,7 +245,9 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", default=[],
                         help="diversity JSON files (e.g. seeds run by separate commands) whose runs make --out; "
                              "FILE:COND,COND takes only those conditions' runs; the first bases measurement is kept")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.slip_rate is not None and not 0 < args.slip_rate <= 1:
+        parser.error(f"--slip-rate must be in (0, 1]; got {args.slip_rate}")
     if args.merge or args.replot:
         payload = merged_payload(args.merge, aggregate, keys=("bases", "base_dirs", "student", "steps")) \
             if args.merge else json.loads(Path(args.out).read_text())
@@ -259,15 +261,13 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = dict(command=" ".join(sys.argv), cache=os.environ.get("CORL_JAX_CACHE"), student=STUDENT,
-                   steps=args.steps, slip_rate=args.slip_rate or 1.0, runs=[], summary={})
+                   steps=args.steps, slip_rate=1.0 if args.slip_rate is None else args.slip_rate, runs=[], summary={})
     save = lambda: out.write_text(json.dumps(payload, indent=1) + "\n")  # noqa: E731
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # runs share one accelerator
     from corl_jax.demo import arithmetic
 
     overrides = {k: v for k, v in (("steps", args.sft_steps), ("num_examples", args.sft_examples),
                                    ("slip_rate", args.slip_rate)) if v is not None}
-    if not 0 < overrides.get("slip_rate", 1) <= 1:
-        parser.error(f"--slip-rate must be in (0, 1]; got {args.slip_rate}")
     directories = build_bases(overrides)
     payload["base_dirs"] = {name: d.name for name, d in directories.items()}
     payload["bases_seconds"] = round(time.time() - start, 1)
