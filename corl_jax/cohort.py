@@ -25,7 +25,7 @@ import optax
 from absl import logging
 from flax import nnx
 
-from corl_jax import grpo, multihost
+from corl_jax import grpo, multihost, packing
 from corl_jax.config import ConfigError, topology_of
 from corl_jax.data import DataError, Problem, PromptBlock
 from corl_jax.models import Policy, positions_from_mask
@@ -351,6 +351,72 @@ def bucketed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSett
     return _apply_jit(optimizer, params, opt_state, grads, loss, rows, s)
 
 
+def _packed_logprobs(graphdef, params, micro, s: UpdateSettings):
+    """log p and entropy [N, Tc] of the completion tokens of a packed micro-batch's rows (`packing.packed_micro`);
+    other rows' columns read an arbitrary scored slot (mask them)."""
+    model = nnx.merge(graphdef, params)
+    hidden = model(micro["tokens"], micro["positions"], micro["segments"])
+    hidden = hidden.reshape(-1, hidden.shape[-1])[micro["head_index"]]  # [K, H, D]: completion-predicting only
+    unembedding = model.unembedding().astype(hidden.dtype)
+    logp, entropy, _ = grpo.token_logprobs(hidden, unembedding, micro["targets"], temperature=s.temperature,
+                                           chunk_size=s.chunk_size, with_stats=True)
+    return logp.reshape(-1)[micro["row_index"]], entropy.reshape(-1)[micro["row_index"]]
+
+
+def _packed_loss_fn(graphdef, s: UpdateSettings, params, batch, micro):
+    logp, entropy = _packed_logprobs(graphdef, params, micro, s)
+    mask = batch["completion_mask"] * micro["scored"]
+    live, old_logp = mask > 0, batch.get("old_logp")
+    # columns outside this micro-batch's rows: inert, finite values (c = 1) instead of another row's log-prob
+    logp = jnp.where(live, logp, 0.0 if old_logp is None else old_logp)
+    return grpo.grpo_loss(
+        logp, old_logp, batch["advantages"], mask, batch["row_weights"], eps_low=s.eps_low, eps_high=s.eps_high,
+        beta=s.beta, ref_logp=batch.get("ref_logp"), is_ratio=batch.get("is_ratio"),
+        entropy=jnp.where(live, entropy, 0.0))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2, 3))
+def _accumulate_packed(graphdef, params, grad_sum, loss_sum, s: UpdateSettings, batch, micro):
+    loss_and_grad = jax.value_and_grad(functools.partial(_packed_loss_fn, graphdef, s), has_aux=True)
+    (loss, rows), grads = loss_and_grad(params, batch, micro)
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads), loss_sum + loss, rows
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _score_packed(graphdef, params, micro, s: UpdateSettings):
+    logp, _ = _packed_logprobs(graphdef, params, micro, s)
+    return jnp.where(micro["scored"], logp, 0.0)
+
+
+def packed_micro_batches(plan: packing.PackPlan, tokens: np.ndarray, attention: np.ndarray, prompt_len: int,
+                         put) -> list[dict[str, jax.Array]]:
+    """The plan's micro-batches (`packing.packed_micro`) of the step's host rows, placed by `put`."""
+    prompt_tokens, widths = attention[:, :prompt_len].sum(axis=1), completion_widths(attention, prompt_len)
+    return [jax.tree.map(put, packing.packed_micro(tokens, attention, prompt_len, prompt_tokens, widths, plan, m))
+            for m in range(plan.num_micro)]
+
+
+def packed_score(graphdef, params, micros: list[dict[str, jax.Array]], s: UpdateSettings) -> jax.Array:
+    """`score_completions`' log p [N, Tc] from packed micro-batches (0 after each row's last attended column)."""
+    return sum(_score_packed(graphdef, params, micro, s) for micro in micros)
+
+
+def packed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings,
+                  micros: list[dict[str, jax.Array]]):
+    """`update` over packed micro-batches (`packed_micro_batches`; one compiled program per line width and scored
+    length). `batch` holds the step's row arrays ([N] / [N, Tc]: completion_mask, advantages and the optional
+    old_logp, is_ratio, ref_logp); row weights come from the whole step's mask in the batch's (reference) order, so
+    loss, gradient and metrics equal `update`'s up to float summation order."""
+    batch = dict(batch, row_weights=_row_weights(batch["completion_mask"], s))
+    grads = jax.tree.map(jnp.zeros_like, params)
+    loss, rows = jnp.zeros((), jnp.float32), []
+    for micro in micros:
+        grads, loss, micro_rows = _accumulate_packed(graphdef, params, grads, loss, s, batch, micro)
+        rows.append(micro_rows)  # zero outside the micro-batch's rows
+    rows = jax.tree.map(lambda *xs: sum(xs), *rows)
+    return _apply_jit(optimizer, params, opt_state, grads, loss, rows, s)
+
+
 # --------------------------------------------------------------------------------------------- one step
 
 
@@ -468,7 +534,7 @@ class Cohort:
         """Advantages, then `num_iterations` optimiser steps of one agent on its rollouts (rows shuffled into
         micro-batches as the reference does), with the reference's metrics (§5.4)."""
         g, r = self.config.grpo, self.config.rollout
-        score, train = _on_mesh(score_completions, agent.mesh), _on_mesh(update, agent.mesh)
+        train = _on_mesh(update, agent.mesh)
         rewards = jnp.asarray(rewards, jnp.float32)  # host-side values (the same on every process): local device
         batch = dict(batch, advantages=agent.put(np.asarray(
             grpo.group_advantages(rewards, r.num_generations, scale=g.scale_rewards))))
@@ -476,23 +542,36 @@ class Cohort:
         batch = jax.tree.map(lambda x: x[order], batch)
         sampling_logp = batch.pop("sampling_logp")
         prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
+        attention = multihost.to_host(batch["attention"])  # the micro-batch plan and the padded-FLOPs metric read it
+        prompt_tokens, widths = attention[:, :prompt_len].sum(axis=1), completion_widths(attention, prompt_len)
+        if g.packing:
+            plan = packing.pack_plan(prompt_tokens, widths, g.micro_batch_size, attention.shape[1], g.length_bucket)
+            micros = packed_micro_batches(plan, multihost.to_host(batch.pop("tokens")), attention, prompt_len,
+                                          agent.put)
+            del batch["attention"]
+            score = lambda graphdef, params: _on_mesh(packed_score, agent.mesh)(graphdef, params, micros,
+                                                                                 self.settings)
+            padded = packing.packed_flops_fraction(agent.policy.config, prompt_tokens, widths, plan)
+        else:
+            plan = bucket_plan(prompt_tokens, widths, self.settings.num_micro, g.length_bucket, prompt_len,
+                               attention.shape[1] - prompt_len)
+            score = lambda graphdef, params: _on_mesh(score_completions, agent.mesh)(
+                graphdef, params, batch["tokens"], batch["attention"], prompt_len, self.settings)[0]
+            padded = padded_flops_fraction(agent.policy.config, prompt_tokens, widths, plan)
         correction = {}
         if g.num_iterations > 1 or g.importance_sampling_correction:  # TRL computes old log-probs in both cases
-            batch["old_logp"] = score(agent.graphdef, agent.params, batch["tokens"], batch["attention"],
-                                      prompt_len, self.settings)[0]
+            batch["old_logp"] = score(agent.graphdef, agent.params)
         if g.importance_sampling_correction:
             batch["is_ratio"], correction = grpo.sampling_correction(
                 batch["old_logp"], sampling_logp, batch["completion_mask"], g.importance_sampling_cap)
         if agent.ref_params is not None:
-            batch["ref_logp"] = score(agent.graphdef, agent.ref_params, batch["tokens"],
-                                      batch["attention"], prompt_len, self.settings)[0]
-        attention = multihost.to_host(batch["attention"])  # the bucket plan and the padded-FLOPs metric read it
-        prompt_tokens, widths = attention[:, :prompt_len].sum(axis=1), completion_widths(attention, prompt_len)
-        plan = bucket_plan(prompt_tokens, widths, self.settings.num_micro, g.length_bucket, prompt_len,
-                           attention.shape[1] - prompt_len)
+            batch["ref_logp"] = score(agent.graphdef, agent.ref_params)
         shardings = jax.tree.map(lambda x: x.sharding, (agent.params, agent.opt_state))
         for _ in range(g.num_iterations):
-            if g.length_bucket:
+            if g.packing:
+                params, opt_state, metrics = _on_mesh(packed_update, agent.mesh)(
+                    agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch, self.settings, micros)
+            elif g.length_bucket:
                 params, opt_state, metrics = _on_mesh(bucketed_update, agent.mesh)(
                     agent.graphdef, agent.optimizer, agent.params, agent.opt_state, batch, self.settings, plan)
             else:
@@ -503,7 +582,7 @@ class Cohort:
             agent.params, agent.opt_state = jax.device_put((params, opt_state), shardings)
         c = rollouts.completions
         metrics, correction, lengths, truncated = multihost.to_host((metrics, correction, c.lengths, c.truncated))
-        metrics["update/padded_flops_fraction"] = padded_flops_fraction(agent.policy.config, prompt_tokens, widths, plan)
+        metrics["update/padded_flops_fraction"] = padded
         terminated = lengths[~truncated] if (~truncated).any() else np.zeros(1, lengths.dtype)
         agent.tokens_seen += int(rollouts.prompt_mask.sum()) * r.num_generations + int(lengths.sum())
         first_update = (step - 1) * g.num_iterations

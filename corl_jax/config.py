@@ -100,6 +100,9 @@ def base_config() -> ml_collections.ConfigDict:
             # update micro-batches of length-sorted rows, trimmed to their longest row rounded up to this many
             # tokens (one compiled program per width; the loss is unchanged); 0: the padded full width
             "length_bucket": 128,
+            # pack the rows end to end into micro_batch_size lines of the full width instead (each row its own
+            # attention segment; widths rounded to length_bucket; the loss is unchanged): see corl_jax/packing.py
+            "packing": False,
             "logprob_chunk_size": 128,  # positions per chunk of the log-prob pass (peak ≈ micro_batch·chunk·V fp32)
             "remat": "full",            # rematerialisation policy: none / full / dots / dots_no_batch
             "attention": "auto",        # full-sequence attention: auto (splash on TPUs, cudnn on GPUs) / xla / cudnn / splash
@@ -264,6 +267,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     at_least("grpo.micro_batch_size", 1, "set a positive divisor of prompts_per_step * num_generations")
     if g.length_bucket < 0:
         fail("grpo.length_bucket", f"{g.length_bucket} is negative", "set 0 (off) or a token count such as 128")
+    if g.packing and not g.length_bucket:
+        fail("grpo.packing", "needs grpo.length_bucket > 0 (its lines' width rounding)", "set grpo.length_bucket=64")
     at_least("grpo.logprob_chunk_size", 1, "set a positive number of positions (e.g. 128)")
     if g.eps_low < 0 or g.eps_high < 0 or g.beta < 0:
         fail("grpo.eps_low/eps_high/beta", "negative", "use non-negative clipping ranges and KL coefficient")

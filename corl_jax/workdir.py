@@ -31,7 +31,7 @@ SAFE_ON_RESUME = (
     "train.max_steps", "train.eval_every", "train.eval_on_start", "train.save_every", "train.keep_last",
     "train.log_records", "train.resume", "train.restart", "train.fallback_to_previous",
     "train.max_nonfinite_updates", "train.eval_batch_prompts", "grpo.micro_batch_size", "grpo.logprob_chunk_size",
-    "grpo.remat", "grpo.attention", "grpo.length_bucket", "rollout.decode_attention", "rollout.decode_compaction",
+    "grpo.remat", "grpo.attention", "grpo.length_bucket", "grpo.packing", "rollout.decode_attention", "rollout.decode_compaction",
     "code.sandbox_workers", "placement", "mesh.data",
     "mesh.fsdp", "mesh.tensor",
 )

@@ -48,13 +48,14 @@ def checkpoint(tmp_path_factory):
 
 
 def _config(path, loss_type, micro, *, beta=0.0, iterations=1, steps=3, warmup_ratio=0.0, is_correction=True,
-            length_bucket=0):
+            length_bucket=0, packing=False):
     c = base_config()
     c.method = "gt_reward"
     c.agents.a = agent_config(str(path), "qwen2", compute_dtype="float32")
     c.rollout.update(prompts_per_step=P, num_generations=G, max_new_tokens=MAX_NEW)
     c.grpo.update(loss_type=loss_type, micro_batch_size=micro, beta=beta, num_iterations=iterations, remat="none",
-                  importance_sampling_correction=is_correction, logprob_chunk_size=4, length_bucket=length_bucket)
+                  importance_sampling_correction=is_correction, logprob_chunk_size=4, length_bucket=length_bucket,
+                  packing=packing)
     c.optim.update(learning_rate=1e-3, warmup_ratio=warmup_ratio, max_grad_norm=0.5, eps=ADAM_EPS)
     c.train.max_steps = steps
     c.mesh.data = 1
@@ -185,12 +186,16 @@ CASES = {  # name: (loss_type, our micro-batch size (the oracle's is 2), config 
 }
 
 
-@pytest.mark.parametrize("length_bucket", [0, 2])
+@pytest.mark.parametrize("length_bucket, packing", [(0, False), (2, False), (2, True)],
+                         ids=["padded", "bucketed", "packed"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_update_matches_torch_transcription_of_the_reference_step(case, length_bucket, checkpoint, tmp_path):
-    """Also with length-bucketed micro-batches (`grpo.length_bucket` 2: rows sorted by length, widths 2/4/6)."""
+def test_update_matches_torch_transcription_of_the_reference_step(case, length_bucket, packing, checkpoint,
+                                                                  tmp_path):
+    """Also with length-bucketed micro-batches (`grpo.length_bucket` 2: rows sorted by length, widths 2/4/6) and
+    with packed ones (`grpo.packing`: rows end to end in lines of 11 tokens; old and reference log-probs scored
+    packed too)."""
     loss_type, micro, overrides = CASES[case]
-    config = _config(checkpoint, loss_type, micro, length_bucket=length_bucket, **overrides)
+    config = _config(checkpoint, loss_type, micro, length_bucket=length_bucket, packing=packing, **overrides)
     vocab = 200
     steps_data = [_step_data(step, vocab) for step in range(1, 4)]
     ours, orders, metrics = _our_run(config, steps_data, tmp_path)

@@ -153,15 +153,19 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array, *,
                  unroll_layers: bool = False) -> jax.Array:
-        """Full-sequence forward: int32 ids/positions [B, T], bool mask [B, T] -> hidden [B, T, D].
+        """Full-sequence forward: int32 ids/positions [B, T], mask [B, T] -> hidden [B, T, D].
 
-        Causal + key-padding mask; `config.remat` selects the rematerialisation policy. `unroll_layers`
-        applies the blocks one by one with static weight slices instead of one `lax.scan`: bigger
+        Causal + key-padding mask. The mask is bool, or int segment ids (0: padding) of packed rows: a token then
+        attends only to earlier tokens of its own segment. `config.remat` selects the rematerialisation policy.
+        `unroll_layers` applies the blocks one by one with static weight slices instead of one `lax.scan`: bigger
         programs, but no per-layer dynamic-slice copies of the weights and cache (see `_run`)."""
         T = input_ids.shape[1]
+        segments = attention_mask.astype(jnp.int32)
         causal = jnp.tril(jnp.ones((T, T), bool))
-        mask = causal[None] & attention_mask[:, None, :].astype(bool)
-        return self._run(input_ids, positions, mask, None, None, unroll_layers, token_mask=attention_mask)[0]
+        # a padding query (segment 0) keeps attending to every earlier real key, as the bool mask always did
+        same = (segments[:, :, None] == segments[:, None, :]) | (segments[:, :, None] == 0)
+        mask = causal[None] & same & (segments[:, None, :] != 0)
+        return self._run(input_ids, positions, mask, None, None, unroll_layers, token_mask=segments)[0]
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache for `batch` rows and `max_len` slots (dtype defaults to the compute dtype)."""
@@ -254,7 +258,7 @@ class Decoder(nnx.Module):
 
     def _run(self, input_ids, positions, mask, cache, attend_len, unroll_layers, token_mask=None):
         """Embed, scan (or unroll) the stacked layers (optionally with the cache on the carry), final norm.
-        `token_mask` [B, T] (full-sequence forwards) is what the splash kernel masks keys by."""
+        `token_mask` [B, T] int segment ids (full-sequence forwards) are what the splash kernel masks keys by."""
         c = self.config
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(c.dtype)
         cos, sin = _rope_cos_sin(positions, c.rope_inv_freq())

@@ -2,9 +2,9 @@
 
 The update's full-sequence forward is causal self-attention over rows of left-padded prompts and padded
 completions. The kernel never holds [T, T] scores: a static causal mask (block-sparse: blocks above the diagonal
-are skipped) and segment ids (1 for tokens with attention_mask 1, 0 for padding) make a real token attend to the
-real tokens at or before it, exactly the decoder's XLA mask. A padding query attends to padding keys only (itself
-at least), so no softmax row is empty; its output is unused (the XLA path gives such rows a uniform average).
+are skipped) and segment ids (1 for tokens with attention_mask 1, 0 for padding; or the segments of packed rows)
+make a real token attend to the real tokens of its segment at or before it, exactly the decoder's XLA mask. A
+padding query attends to padding keys only (itself at least), so no softmax row is empty; its output is unused.
 
 GQA runs the kernel's MQA variant (`make_splash_mqa_single_device`): one call per (row, kv head) takes that kv
 head's group of q heads [group, T, hd] against its K/V [T, hd] (no repeated K/V), vmapped over rows and kv heads.
@@ -27,10 +27,10 @@ BLOCK = 128  # the kernel's q/kv block (BlockSizes.get_default)
 
 
 def splash_attention(q, k, v, token_mask, *, interpret: bool | None = None, rules=DEFAULT_RULES):
-    """Causal attention of q [B, T, H, hd] over k/v [B, H_kv, T, hd] where keys with token_mask [B, T] False are
-    masked -> [B, T, H, hd] in q's dtype (float32 softmax and accumulation). Inside `jax.set_mesh`, runs per
-    batch/kv-head shard. `interpret` (default: unless the mesh's devices, or without a mesh the default backend,
-    are TPUs) runs the kernel in Pallas' interpreter."""
+    """Causal attention of q [B, T, H, hd] over k/v [B, H_kv, T, hd] within the segments of token_mask [B, T]
+    (bool or int segment ids; keys of segment 0 are padding) -> [B, T, H, hd] in q's dtype (float32 softmax and
+    accumulation). Inside `jax.set_mesh`, runs per batch/kv-head shard. `interpret` (default: unless the mesh's
+    devices, or without a mesh the default backend, are TPUs) runs the kernel in Pallas' interpreter."""
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else mesh.abstract_device
     platform = jax.default_backend() if device is None else device.platform
