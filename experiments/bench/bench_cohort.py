@@ -6,7 +6,8 @@ one GRPO update per agent. Random weights never stop, so every row is forced (`S
 to end at a length drawn from `length_model.py`'s LogNormal (mean 45% of the budget, 10% truncated; the same draws
 for every variant and step; `--lengths full` forces every row to the budget instead).
 
-Variants (`--variants`, `length_bucket/decode_compaction` pairs) run in one process on the same lengths and prompts;
+Variants (`--variants`, `length_bucket/decode_compaction` pairs; `p64/2`: `grpo.packing` with length_bucket 64) run in
+one process on the same lengths and prompts;
 a variant's first appearance of a setting compiles in an untimed warm-up step (the others reuse those programs), then
 one step is timed. Per timed step: real completion tokens, decode steps and row-steps (the rows the decode loop ran,
 finished ones included), sampling / answers + vote / update seconds, the update's padded-FLOPs fraction. The JSON is
@@ -80,9 +81,10 @@ class CompileCounter(logging.Handler):
         self.count += record.getMessage().startswith("Compiling")
 
 
-def variant(text: str) -> tuple[int, int]:
+def variant(text: str) -> tuple[str, int, int, bool]:
+    """`[p]bucket/compaction` -> (its name, length_bucket, decode_compaction, packing)."""
     bucket, _, compaction = text.partition("/")
-    return int(bucket), int(compaction)
+    return text, int(bucket.removeprefix("p")), int(compaction), bucket.startswith("p")
 
 
 def main() -> None:
@@ -101,8 +103,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the 'tiny' shape for every family (CPU check)")
     parser.add_argument("--lengths", default="lognormal", choices=("lognormal", "full"))
     parser.add_argument("--variants", type=lambda v: [variant(x) for x in v.split(",")],
-                        default=[(0, 0), (128, 2), (128, 0), (0, 2)],
-                        help="length_bucket/decode_compaction pairs, in order (the first is 'before')")
+                        default=[variant(x) for x in ("0/0", "128/2", "128/0", "0/2")],
+                        help="length_bucket/decode_compaction pairs (p64/2: packing, width rounding 64), in order "
+                             "(the first is 'before')")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -158,12 +161,12 @@ def main() -> None:
     logging.getLogger("jax._src.interpreters.pxla").propagate = False
     jax.config.update("jax_log_compiles", True)
     seen_buckets, seen_compactions, step = set(), set(), 0
-    for bucket, compaction in args.variants:
-        config.grpo.length_bucket = bucket
+    for name, bucket, compaction, packing in args.variants:
+        config.grpo.update(length_bucket=bucket, packing=packing)
         for agent in agents:
             agent.sampler.compaction = compaction
-        compiled = bucket in seen_buckets and compaction in seen_compactions
-        seen_buckets.add(bucket)
+        compiled = (bucket, packing) in seen_buckets and compaction in seen_compactions
+        seen_buckets.add((bucket, packing))
         seen_compactions.add(compaction)
         for timed in ((True,) if compiled else (False, True)):
             step += 1
@@ -175,7 +178,8 @@ def main() -> None:
             first = metrics[next(iter(metrics))]
             work = [decode_work(np.minimum(lengths[a.name], args.max_new), a.sampler.stages(rows)) for a in agents]
             record = dict(
-                step=step, length_bucket=bucket, decode_compaction=compaction, timed=timed,
+                step=step, variant=name, length_bucket=bucket, packing=packing, decode_compaction=compaction,
+                timed=timed,
                 compiles=counter.count - compiles, wall_s=round(wall, 2),
                 sampling_s=round(first["time/sampling"], 2),
                 answers_vote_s=round(first.get("time/answers", 0.0) + first.get("time/vote", 0.0), 3),
@@ -188,7 +192,7 @@ def main() -> None:
             payload["steps"].append(record)
             print(json.dumps(record), flush=True)
             timed_steps = [s for s in payload["steps"] if s["timed"]]
-            payload["speedup_vs_first"] = {f"{s['length_bucket']}/{s['decode_compaction']}": dict(
+            payload["speedup_vs_first"] = {s["variant"]: dict(
                 wall=round(timed_steps[0]["wall_s"] / s["wall_s"], 3),
                 sampling=round(timed_steps[0]["sampling_s"] / s["sampling_s"], 3),
                 update=round(timed_steps[0]["update_s"] / s["update_s"], 3)) for s in timed_steps}

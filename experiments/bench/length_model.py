@@ -3,8 +3,9 @@
 Completion lengths are a LogNormal fraction of the budget, truncated at it: f = exp(mu + sigma z), z ~ N(0, 1),
 length = ceil(min(f, 1) * budget). sigma and mu solve P(f > 1) = `--truncated` (mu = -sigma Phi^-1(1 - truncated))
 and E[min(f, 1)] = `--mean`. For each `grpo.length_bucket` the step's rows (`--rows`, micro-batches of `--micro`)
-go through `cohort.bucket_plan`, and `cohort.padded_flops_fraction` counts padding with `ModelConfig.train_flops`
-(no device needed).
+go through `cohort.bucket_plan`, and `cohort.padded_flops_fraction` counts padding with `ModelConfig.train_flops`;
+packed (`grpo.packing`: `packing.pack_plan` into lines of prompt + budget tokens, `--micro` lines per micro-batch)
+likewise with `packing.packed_flops_fraction`. No device needed.
 
     python experiments/bench/length_model.py --out experiments/results/length_model.json
 """
@@ -21,6 +22,7 @@ import numpy as np
 from scipy import optimize, stats
 
 from corl_jax.cohort import bucket_plan, padded_flops_fraction
+from corl_jax.packing import pack_plan, packed_flops_fraction
 from corl_jax.models import ModelConfig
 from shapes import SHAPES
 
@@ -54,29 +56,31 @@ def main() -> None:
     parser.add_argument("--truncated", type=float, default=0.10)
     parser.add_argument("--buckets", type=lambda v: [int(x) for x in v.split(",")], default=[0, 64, 128, 256])
     parser.add_argument("--steps", type=int, default=100, help="steps (seeds) averaged over")
-    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--shapes", type=lambda v: v.split(","), default=["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"])
     args = parser.parse_args()
 
     mu, sigma = lognormal_params(args.mean, args.truncated)
-    family, hf = SHAPES[args.shape]
-    config = ModelConfig.from_hf_dict({"model_type": family, **hf})
     prompt_tokens = np.full(args.rows, args.prompt)
-    fractions = {b: [] for b in args.buckets}
-    lengths_all = []
-    for seed in range(args.steps):
-        lengths = sample_lengths(mu, sigma, args.budget, args.rows, seed)
-        lengths_all.append(lengths)
-        for b in args.buckets:
-            plan = bucket_plan(prompt_tokens, lengths, args.rows // args.micro, b, args.prompt, args.budget)
-            fractions[b].append(padded_flops_fraction(config, prompt_tokens, lengths, plan))
-    lengths = np.concatenate(lengths_all)
+    steps = [sample_lengths(mu, sigma, args.budget, args.rows, seed) for seed in range(args.steps)]
+    bucketed, packed = {}, {}
+    for shape in args.shapes:
+        family, hf = SHAPES[shape]
+        config = ModelConfig.from_hf_dict({"model_type": family, **hf})
+        mean = lambda fractions: round(float(np.mean(fractions)), 4)  # noqa: E731
+        bucketed[shape] = {str(b): mean([padded_flops_fraction(config, prompt_tokens, lengths, bucket_plan(
+            prompt_tokens, lengths, args.rows // args.micro, b, args.prompt, args.budget)) for lengths in steps])
+            for b in args.buckets}
+        packed[shape] = {str(b): mean([packed_flops_fraction(config, prompt_tokens, lengths, pack_plan(
+            prompt_tokens, lengths, args.micro, args.prompt + args.budget, b)) for lengths in steps])
+            for b in args.buckets if b}
+    lengths = np.concatenate(steps)
     payload = dict(command=" ".join(sys.argv), length_model=dict(
         distribution="ceil(min(exp(mu + sigma z), 1) * budget)", mu=round(mu, 4), sigma=round(sigma, 4),
         budget=args.budget, measured_mean_fraction=round(float(lengths.mean() / args.budget), 4),
         measured_truncated=round(float((lengths >= args.budget).mean()), 4),
         median_fraction=round(float(np.median(lengths) / args.budget), 4)),
-        shape=args.shape, prompt=args.prompt, rows=args.rows, micro_batch=args.micro, steps=args.steps,
-        padded_flops_fraction={str(b): round(float(np.mean(v)), 4) for b, v in fractions.items()})
+        prompt=args.prompt, rows=args.rows, micro_batch=args.micro, steps=args.steps,
+        padded_flops_fraction=bucketed, packed_padded_flops_fraction=packed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
     print(json.dumps(payload, indent=2))
