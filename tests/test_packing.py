@@ -154,14 +154,17 @@ def test_packing_needs_a_width_rounding():
         validate(config)
 
 
-@pytest.mark.parametrize("method", ["rent", "ttrl"])
-def test_cohort_step_packed_equals_padded_update(method):
-    """A `:tiny` cohort step packed vs padded (same seed: same samples): the same parameters, loss and loss metrics
-    after the step, and a smaller padded-FLOPs fraction. rent's dense rewards make the gradient non-zero; ttrl runs
-    the importance-sampling correction from packed old log-probs."""
+@pytest.mark.parametrize("method, packed_mesh", [("rent", dict(data=1)), ("ttrl", dict(data=2, fsdp=2))])
+def test_cohort_step_packed_equals_padded_update(method, packed_mesh):
+    """A `:tiny` cohort step packed vs padded on one device (same seed: same samples): the same parameters, loss
+    and loss metrics after the step, and a smaller padded-FLOPs fraction. rent's dense rewards make the gradient
+    non-zero; ttrl runs the importance-sampling correction from packed old log-probs, packed on a 2 x 2 data/fsdp
+    mesh (lines split over data, parameters over fsdp)."""
     results = {}
     for packing in (False, True):
         config = load_config(method)
+        if packing:
+            config.mesh.update(packed_mesh)
         # AdamW eps 1e-4: at 1e-8 a weight with a ~0 gradient moves by O(lr) on float noise alone (test_update_oracle)
         config.optim.update(learning_rate=1e-2, warmup_ratio=0.0, eps=1e-4)
         config.grpo.update(length_bucket=8 if packing else 0, packing=packing)
