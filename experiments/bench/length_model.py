@@ -22,8 +22,8 @@ import numpy as np
 from scipy import optimize, stats
 
 from corl_jax.cohort import bucket_plan, padded_flops_fraction
-from corl_jax.packing import pack_plan, packed_flops_fraction
 from corl_jax.models import ModelConfig
+from corl_jax.packing import pack_plan, packed_flops_fraction
 from shapes import SHAPES
 
 
