@@ -74,10 +74,10 @@ def pack_plan(prompt_tokens: np.ndarray, widths: np.ndarray, lines_per_micro: in
             break
         num_micro += 1
     # heavier lines first: micro-batches of similar loads, the lightest last
-    rank = np.empty_like(loads)
-    rank[np.argsort(-loads, kind="stable")] = np.arange(len(loads))
-    line = rank[line]
-    loads = loads[np.argsort(-loads, kind="stable")].reshape(num_micro, lines_per_micro)
+    order = np.argsort(-loads, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    line, loads = rank[line], loads[order].reshape(num_micro, lines_per_micro)
     scored = np.zeros(num_micro, np.int64)
     np.add.at(scored, line // lines_per_micro, widths)
     head_bucket = max(bucket // 2, 1)
