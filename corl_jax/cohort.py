@@ -389,9 +389,8 @@ def _score_packed(graphdef, params, micro, s: UpdateSettings):
 
 
 def packed_micro_batches(plan: packing.PackPlan, tokens: np.ndarray, attention: np.ndarray, prompt_len: int,
-                         put) -> list[dict[str, jax.Array]]:
+                         prompt_tokens: np.ndarray, widths: np.ndarray, put) -> list[dict[str, jax.Array]]:
     """The plan's micro-batches (`packing.packed_micro`) of the step's host rows, placed by `put`."""
-    prompt_tokens, widths = attention[:, :prompt_len].sum(axis=1), completion_widths(attention, prompt_len)
     return [jax.tree.map(put, packing.packed_micro(tokens, attention, prompt_len, prompt_tokens, widths, plan, m))
             for m in range(plan.num_micro)]
 
@@ -547,7 +546,7 @@ class Cohort:
         if g.packing:
             plan = packing.pack_plan(prompt_tokens, widths, g.micro_batch_size, attention.shape[1], g.length_bucket)
             micros = packed_micro_batches(plan, multihost.to_host(batch.pop("tokens")), attention, prompt_len,
-                                          agent.put)
+                                          prompt_tokens, widths, agent.put)
             del batch["attention"]
             score = lambda graphdef, params: _on_mesh(packed_score, agent.mesh)(graphdef, params, micros,
                                                                                  self.settings)
