@@ -12,6 +12,7 @@ from config_files import load_config
 from corl_jax.cohort import Cohort, load_agents
 from corl_jax.config import ConfigError, validate
 from corl_jax.data import PromptBlock
+from corl_jax.models import sharding
 from corl_jax.demo import arithmetic
 from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Buckets
@@ -58,6 +59,24 @@ def test_compaction_with_the_pallas_kernel_and_one_segment(checkpoint):  # noqa:
     buckets = Buckets(prompt=4, new_tokens=40, kv_block=0)
     off = generate(directory, 0, params, attention="pallas", buckets=buckets, seed=3)
     assert_same(off, generate(directory, 2, params, attention="pallas", buckets=buckets, seed=3))
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_compaction_on_a_mesh_samples_the_same_tokens(attention, checkpoint):  # noqa: F811
+    """Batch over 4 data shards, kv heads over 2 tensor shards: each stage's rows are every batch shard's own
+    leading cache rows, moved across shards when rows finish unevenly; the tokens are the single device's."""
+    directory = checkpoint("llama")
+    ids, mask = mixed_length_prompts([3, 8, 5, 6], 8, seed=5)
+    kwargs = dict(num_samples=4, max_new_tokens=40, params=SamplingParams(temperature=1.0), key=jax.random.key(2))
+    single = sampler_for(directory, stop_ids=STOPS).generate(ids, mask, **kwargs)
+    lengths = np.asarray(single.lengths)
+    assert len(set(lengths.tolist())) >= 4 and lengths.min() < 10, "the test needs rows ending at spread steps"
+    sampler = sampler_for(directory, stop_ids=STOPS, mesh=sharding.make_mesh(data=4, tensor=2), attention=attention)
+    sampler.compaction = 2  # stages of 16, 8 and 4 rows: 4, 2 and 1 per batch shard
+    assert sampler.batch_shards(16) == 4
+    sharded = sampler.generate(ids, mask, **kwargs)
+    assert len(sharded.tokens.sharding.device_set) == 8
+    assert_same(single, sharded)
 
 
 def test_forced_lengths_end_rows_where_asked(checkpoint):  # noqa: F811

@@ -58,6 +58,11 @@ class KVCache:
     Decoder methods update the cache functionally (`dynamic_update_slice` on the scan carry, so
     under `jit` with donation XLA writes in place). `max_len` is S; callers keep
     index + new tokens <= S (a write past the end is clamped by XLA, not reported).
+
+    A decode step may run n < B rows (compacted decoding keeps the whole cache and moves the live rows to the
+    front, `move_rows`): they are the cache's *leading rows* for `batch_shards` = s, the first n/s rows of each of
+    the s equal blocks of its B rows (a prefix on one device; each batch shard's own prefix on a mesh, so no row
+    crosses a shard to be read or written).
     """
 
     k: jax.Array
@@ -75,6 +80,24 @@ class KVCache:
         return self.replace(
             k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1), mask=jnp.repeat(self.mask, n, axis=0)
         )
+
+    def move_rows(self, source, target) -> "KVCache":
+        """The cache with rows `target` (int [n]) holding what rows `source` held, moved one layer at a time so
+        that the only temporary is one layer of n rows (the cache itself is updated in place)."""
+        def move(layer, kv):  # (gathers and scatters touch one layer's slab, never the whole stacked cache)
+            slabs = (jax.lax.dynamic_index_in_dim(x, layer, keepdims=False) for x in kv)
+            return tuple(jax.lax.dynamic_update_index_in_dim(x, slab.at[target].set(slab[source]), layer, 0)
+                         for x, slab in zip(kv, slabs))
+
+        k, v = jax.lax.fori_loop(0, self.k.shape[0], move, (self.k, self.v))
+        return self.replace(k=k, v=v, mask=self.mask.at[target].set(self.mask[source]))
+
+    @staticmethod
+    def leading_row_indices(n: int, rows: int, batch_shards: int) -> jax.Array:
+        """Cache row of each of the n leading rows (see the class docstring) of a cache of `rows` rows."""
+        i = jnp.arange(n, dtype=jnp.int32)
+        per_shard = n // batch_shards
+        return i // per_shard * (rows // batch_shards) + i % per_shard
 
     @staticmethod
     def logical_axes() -> "KVCache":
@@ -204,30 +227,34 @@ class Decoder(nnx.Module):
                              layers=tuple(layers))
 
     def decode_step(self, tokens, positions, cache: KVCache, weights: DecodeWeights, *,
-                    attend_len: int | None = None, cache_attention=None):
-        """One token per row: tokens, positions int32 [B] -> (hidden [B, D], updated cache).
+                    attend_len: int | None = None, cache_attention=None, batch_shards: int = 1):
+        """One token per row: tokens, positions int32 [n] -> (hidden [n, D], updated cache).
 
-        The token is written at slot `cache.index` (then index += 1). The layers run one by one on `weights`
+        The rows are the cache's n leading rows for `batch_shards` (all of them when n is the cache's batch; see
+        `KVCache`). The token is written at slot `cache.index` (then index += 1). The layers run one by one on `weights`
         (`self.decode_weights()`, made once per generation, not per step). Attention reads
         either the static prefix [0, attend_len) of the cache (XLA; default the whole cache, the caller keeps
         attend_len > index), or, with `cache_attention(q [B, H, hd], k_cache, v_cache, layer, start, end)`
         (e.g. `decode_attention.decode_attention`), only each row's filled slots [first real slot, index]: the
         prompts are left-padded and every later slot is filled, so this is the same set as the mask's."""
         c = self.config
-        slot_mask = jax.lax.dynamic_update_slice(cache.mask, jnp.ones((tokens.shape[0], 1), bool), (0, cache.index))
+        n = tokens.shape[0]
+        slot_mask = _update_leading_rows(cache.mask, jnp.ones((n, 1), bool), (0, cache.index), 0, batch_shards)
+        rows_mask = _leading_rows(slot_mask, n, 0, batch_shards)
         attend_len = cache.max_len if attend_len is None else attend_len
-        mask = slot_mask[:, None, :attend_len]  # slots after `index` are still empty: causal by construction
-        start = jnp.argmax(slot_mask, axis=1).astype(jnp.int32)
+        mask = rows_mask[:, None, :attend_len]  # slots after `index` are still empty: causal by construction
+        start = jnp.argmax(rows_mask, axis=1).astype(jnp.int32)
         end = jnp.broadcast_to(cache.index + 1, start.shape).astype(jnp.int32)
         h = jnp.take(weights.embed, tokens[:, None], axis=0)
         cos, sin = _rope_cos_sin(positions[:, None], c.rope_inv_freq())
         kv = (cache.k, cache.v)
         for layer, p in enumerate(weights.layers):
             def attend(q, k, v, layer=layer):
-                ck, cv = (_write_slot(x, new, layer, cache.index) for x, new in zip(kv, (k, v)))
+                ck, cv = (_write_slot(x, new, layer, cache.index, batch_shards) for x, new in zip(kv, (k, v)))
                 if cache_attention is not None:
                     return cache_attention(q[:, 0], ck, cv, layer, start, end)[:, None], (ck, cv)
-                keys, values = (x[layer, :, :, :attend_len].astype(c.dtype) for x in (ck, cv))
+                keys, values = (_leading_rows(x[layer, :, :, :attend_len], n, 0, batch_shards).astype(c.dtype)
+                                for x in (ck, cv))
                 return _attention(q, keys, values, mask, c), (ck, cv)
 
             h, kv = _block(h, p, cos, sin, c, attend)
@@ -314,9 +341,35 @@ def _block(h, p, cos, sin, c: ModelConfig, attend):
     return h + _mlp(_rms_norm(h, p["mlp_norm"], c), p, c), aux
 
 
-def _write_slot(cache_kv, new, layer, index):
-    """Write new K or V [B, H_kv, T, hd] of `layer` into the stacked cache [L, B, H_kv, S, hd] at slot `index`."""
-    return jax.lax.dynamic_update_slice(cache_kv, new[None].astype(cache_kv.dtype), (layer, 0, 0, index, 0))
+def _write_slot(cache_kv, new, layer, index, batch_shards=1):
+    """Write new K or V [n, H_kv, T, hd] of `layer` into the stacked cache [L, B, H_kv, S, hd] at slot `index`
+    (rows: the cache's n leading rows, see `KVCache`)."""
+    return _update_leading_rows(cache_kv, new[None], (layer, 0, 0, index, 0), 1, batch_shards)
+
+
+def _shard_blocks(x, axis, batch_shards):
+    """x with its batch axis `axis` split into (batch_shards, rows per shard)."""
+    return x.reshape(*x.shape[:axis], batch_shards, x.shape[axis] // batch_shards, *x.shape[axis + 1:])
+
+
+def _leading_rows(x, n, axis, batch_shards):
+    """The n leading rows (see `KVCache`) of x along its batch axis `axis`."""
+    if n == x.shape[axis]:
+        return x
+    blocks = jax.lax.slice_in_dim(_shard_blocks(x, axis, batch_shards), 0, n // batch_shards, axis=axis + 1)
+    return blocks.reshape(*x.shape[:axis], n, *x.shape[axis + 1:])
+
+
+def _update_leading_rows(x, update, start, axis, batch_shards):
+    """`dynamic_update_slice(x, update, start)` with update's rows along the batch axis `axis` (whose start is 0)
+    written to x's leading rows (see `KVCache`)."""
+    update = update.astype(x.dtype)
+    if update.shape[axis] == x.shape[axis]:
+        return jax.lax.dynamic_update_slice(x, update, start)
+    start = (*start[:axis], 0, *start[axis:])
+    blocks = jax.lax.dynamic_update_slice(_shard_blocks(x, axis, batch_shards),
+                                          _shard_blocks(update, axis, batch_shards), start)
+    return blocks.reshape(x.shape)
 
 
 def _matmul(x, w, c: ModelConfig):

@@ -16,8 +16,11 @@ One compiled program per shape bucket does everything on the device:
      cost of a step follows the filled length to within kv_block.
 4. decode compaction (`Sampler(compaction=n)`, n > 0): the loop runs in *stages* of B, B/2, ..., B/2^n rows.
    Once at most the next stage's size of rows are still live, the live rows (and finished ones to fill
-   it) are gathered into the smaller batch (cache, tokens, positions, per-row state) and the loop goes on
-   there; every row's results are scattered back when its stage ends. Row r's uniform number at step t
+   it) are gathered into the smaller batch (tokens, positions, per-row state) and the loop goes on there;
+   every row's results are scattered back when its stage ends. The cache keeps its B rows: the stage's rows
+   are moved, in place and one layer at a time, to its leading rows (`KVCache.move_rows`; each batch shard's
+   own prefix on a mesh), which are all that the stage's steps read and write, so compaction adds no cache-sized
+   buffer to the program's peak. Row r's uniform number at step t
    is entry r of `uniform(fold_in(key, t), [B])` in every stage, so the tokens do not depend on which
    rows share a batch: compaction on and off sample the same tokens.
 
@@ -211,15 +214,19 @@ class Sampler:
         stages = tuple(rows >> k for k in range(self.compaction + 1))
         if not self.compaction:
             return stages
-        shards = 1
-        if self.mesh is not None:
-            spec = logical_to_spec(("batch",), (rows,), self.mesh, self.rules)[0]
-            shards = int(np.prod([self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec or ())]))
+        shards = self.batch_shards(rows)
         if rows % (1 << self.compaction) or stages[-1] % shards:
             raise ValueError(f"decode compaction {self.compaction} halves the batch of {rows} rows {self.compaction} "
                              f"times into multiples of the {shards} batch shard(s), which it does not divide; lower "
                              "rollout.decode_compaction (0 = off)")
         return stages
+
+    def batch_shards(self, rows: int) -> int:
+        """How many shards the mesh splits a batch of `rows` rows into (1 without a mesh)."""
+        if self.mesh is None:
+            return 1
+        spec = logical_to_spec(("batch",), (rows,), self.mesh, self.rules)[0]
+        return int(np.prod([self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec or ())]))
 
     def program(self, graphdef, state, ids, mask, key, num_samples, new_bucket, params, stages=None, forced=False):
         """The compiled program of a bucket (compiled on first use). The arrays only give shapes and shardings:
@@ -235,7 +242,8 @@ class Sampler:
             start = time.perf_counter()
             static = dict(graphdef=graphdef, num_samples=num_samples, new_bucket=new_bucket,
                           kv_block=self.buckets.kv_block, params=params, pad_id=self.pad_id, mesh=self.mesh,
-                          rules=self.rules, attention=self.attention, platform=self.platform, stages=stages)
+                          rules=self.rules, attention=self.attention, platform=self.platform, stages=stages,
+                          batch_shards=self.batch_shards(stages[0]))
             jitted = jax.jit(_generate, static_argnames=tuple(static))
             forced_lengths = jax.ShapeDtypeStruct((stages[0],), jnp.int32) if forced else None
             program = jitted.lower(state, ids, mask, self.stop_ids, np.int32(0), key, forced_lengths,
@@ -250,7 +258,7 @@ class Sampler:
 
 def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, forced_lengths, *, graphdef, num_samples,
               new_bucket, kv_block, params: SamplingParams, pad_id, mesh, rules, attention, platform,
-              stages) -> Completions:
+              stages, batch_shards) -> Completions:
     """The whole generation program (see the module docstring)."""
     model = nnx.merge(graphdef, state)
     weights = model.decode_weights()
@@ -288,7 +296,8 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, forced_len
     def decode_step(c: _Carry, attend_len: int, cache_attention) -> _Carry:
         previous = jax.lax.dynamic_index_in_dim(c.tokens, c.step - 1, axis=1, keepdims=False)
         hidden, cache = model.decode_step(previous, start_positions[c.rows] + c.step - 1, c.cache, weights,
-                                          attend_len=attend_len, cache_attention=cache_attention)
+                                          attend_len=attend_len, cache_attention=cache_attention,
+                                          batch_shards=batch_shards)
         step_key = jax.random.fold_in(key, c.step)
         # per-row uniforms of the whole batch, so that a row's draw does not depend on its stage's rows
         uniform = jax.random.uniform(step_key, (B,), jnp.float32)[c.rows] if compacts else None
@@ -319,18 +328,18 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, forced_len
             )
         out = carry if out is None else _scatter(out, carry)
         if next_size:
-            carry = _compact(carry, next_size, mesh, rules)
+            carry = _compact(carry, next_size, batch_shards, mesh, rules)
     mask = jnp.arange(new_bucket)[None, :] < out.lengths[:, None]
     return Completions(tokens=out.tokens, mask=mask, logprobs=out.logprobs, lengths=out.lengths, truncated=~out.done)
 
 
-def _compact(c: "_Carry", size: int, mesh: Mesh | None, rules) -> "_Carry":
-    """The first `size` rows of `c` with the live rows first (every live row fits: the stage loop ran until
-    at most `size` were live); the cache rows follow (batch axis found by its logical name)."""
+def _compact(c: "_Carry", size: int, batch_shards: int, mesh: Mesh | None, rules) -> "_Carry":
+    """`size` rows of `c`, the live ones first (every live row fits: the stage loop ran until at most `size` were
+    live); their cache rows move to the cache's `size` leading rows (see `KVCache`)."""
     keep = jnp.argsort(c.done, stable=True)[:size]
-    axes = type(c.cache).logical_axes()
-    take = lambda x, names: jnp.take(x, keep, axis=names.index("batch"))  # noqa: E731
-    cache = c.cache.replace(k=take(c.cache.k, axes.k), v=take(c.cache.v, axes.v), mask=take(c.cache.mask, axes.mask))
+    rows = c.cache.mask.shape[0]
+    now = KVCache.leading_row_indices(c.done.shape[0], rows, batch_shards)
+    cache = c.cache.move_rows(now[keep], KVCache.leading_row_indices(size, rows, batch_shards))
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
     return c.replace(cache=cache, tokens=c.tokens[keep], logprobs=c.logprobs[keep], done=c.done[keep],
