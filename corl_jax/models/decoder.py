@@ -74,12 +74,23 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def repeat_batch(self, n: int) -> "KVCache":
-        """Each row repeated n times consecutively (row b -> rows b*n .. b*n+n-1), e.g. to share one
-        prefilled prompt among its n samples."""
-        return self.replace(
-            k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1), mask=jnp.repeat(self.mask, n, axis=0)
-        )
+    def repeat_batch(self, n: int, max_len: int | None = None) -> "KVCache":
+        """Each row repeated n times consecutively (row b -> rows b*n .. b*n+n-1), e.g. to share one prefilled
+        prompt among its n samples, in a cache of `max_len` slots (default: this one's; later slots empty, `index`
+        unchanged). The repeated rows are written into the new cache one layer at a time: no repeated copy of the
+        whole cache exists beside it."""
+        max_len = self.max_len if max_len is None else max_len
+
+        def fill(layer, kv):
+            return tuple(jax.lax.dynamic_update_index_in_dim(
+                out, jnp.repeat(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), n, axis=0), layer, 0)
+                for out, x in zip(kv, (self.k, self.v)))
+
+        L, B, H, _, D = self.k.shape
+        empty = tuple(jnp.zeros((L, B * n, H, max_len, D), x.dtype) for x in (self.k, self.v))
+        k, v = jax.lax.fori_loop(0, L, fill, empty)
+        mask = jnp.zeros((B * n, max_len), bool).at[:, :self.max_len].set(jnp.repeat(self.mask, n, axis=0))
+        return self.replace(k=k, v=v, mask=mask)
 
     def move_rows(self, source, target) -> "KVCache":
         """The cache with rows `target` (int [n]) holding what rows `source` held, moved one layer at a time so

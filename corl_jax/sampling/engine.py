@@ -3,8 +3,8 @@
 One compiled program per shape bucket does everything on the device:
 
 1. prefill each distinct prompt once (a [P, Tp] forward that writes the prompt's K/V);
-2. share the prompt cache with its G samples (`KVCache.repeat_batch`: rows p*G .. p*G+G-1) and
-   grow it to Tp + T slots; sample each row's first token from its prompt's last logits;
+2. share the prompt cache with its G samples (`KVCache.repeat_batch`: rows p*G .. p*G+G-1) in a cache
+   of Tp + T slots; sample each row's first token from its prompt's last logits;
 3. decode one token per row per step in `lax.while_loop`s that stop as soon as every row has
    emitted a stop id (or T tokens). The layers run one by one on `Decoder.decode_weights()` (made
    once per call: per-layer buffers in the compute dtype, fused projections). Attention over the
@@ -266,7 +266,7 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, forced_len
     B = P * num_samples
     positions = positions_from_mask(prompt_mask)
     hidden, cache = model.prefill(prompt_ids, positions, prompt_mask, model.init_cache(P, Tp), attend_len=Tp)
-    cache = _grow(cache.repeat_batch(num_samples), round_up(Tp + new_bucket, CACHE_BLOCK))
+    cache = cache.repeat_batch(num_samples, round_up(Tp + new_bucket, CACHE_BLOCK))
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
     logits = jnp.repeat(weights.logits(hidden), num_samples, axis=0)
@@ -382,19 +382,6 @@ class _Carry:
     lengths: jax.Array
     rows: jax.Array  # each row's index in the whole batch (stages of a compacted decode hold a subset)
     step: jax.Array
-
-
-def _grow(cache: KVCache, max_len: int) -> KVCache:
-    """The same cache with `max_len` slots (new slots empty, `index` unchanged); the slot axis of
-    each field is found by its logical name, so this follows the decoder's cache layout."""
-    extra = max_len - cache.max_len
-
-    def pad(x, axes):
-        widths = [(0, extra if name == "cache_seq" else 0) for name in axes]
-        return jnp.pad(x, widths)
-
-    axes = type(cache).logical_axes()
-    return cache.replace(k=pad(cache.k, axes.k), v=pad(cache.v, axes.v), mask=pad(cache.mask, axes.mask))
 
 
 def _check_prompts(ids: np.ndarray, mask: np.ndarray, vocab: int) -> None:
