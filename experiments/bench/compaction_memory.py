@@ -74,33 +74,32 @@ def main(argv=None):
     parser.add_argument("--out", default="experiments/results/compaction_memory.json")
     parser.add_argument("--shapes", type=lambda v: v.split(","), default=["qwen3-0.6b"])
     parser.add_argument("--chips", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4])
-    parser.add_argument("--attention", type=lambda v: v.split(","), default=["pallas", "xla"])
+    parser.add_argument("--attention", type=lambda v: v.split(","), default=["pallas"],
+                        help="pallas (the TPU default at head_dim 128) and/or xla (slow to compile at real shapes)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt-width", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--label", default="", help="recorded with the rows (e.g. 'before' on an older commit)")
     args = parser.parse_args(argv)
+    from importlib.metadata import version
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    rows = []
+    result = dict(command=" ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), commit=commit,
+                  device="compile-only TPU v6e (libtpu on a CPU host)", python=platform.python_version(),
+                  versions={p: version(p) for p in ("jax", "flax", "libtpu")},
+                  settings=dict(prompts=args.prompts, samples=args.samples, prompt_width=args.prompt_width,
+                                new_tokens=args.new_tokens), rows=[])
     for shape in args.shapes:
         for chips in args.chips:
             for attention in args.attention:
                 for compaction in (0, 1, 2):
                     row = sampler_temp(shape, chips, attention, compaction, args.prompts, args.samples,
                                        args.prompt_width, args.new_tokens)
-                    rows.append(dict(row, label=args.label))
-                    print(json.dumps(rows[-1]), flush=True)
-    import libtpu  # noqa: F401  (its version, for the record)
-    from importlib.metadata import version
-
-    result = dict(command=" ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), commit=commit,
-                  device="compile-only TPU v6e (libtpu on a CPU host)", python=platform.python_version(),
-                  versions={p: version(p) for p in ("jax", "flax", "libtpu")},
-                  settings=dict(prompts=args.prompts, samples=args.samples, prompt_width=args.prompt_width,
-                                new_tokens=args.new_tokens), rows=rows)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+                    result["rows"].append(dict(row, label=args.label))
+                    print(json.dumps(result["rows"][-1]), flush=True)
+                    with open(args.out, "w") as f:  # after every row: a long run keeps what it measured
+                        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
