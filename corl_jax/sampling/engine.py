@@ -19,8 +19,8 @@ One compiled program per shape bucket does everything on the device:
    it) are gathered into the smaller batch (tokens, positions, per-row state) and the loop goes on there;
    every row's results are scattered back when its stage ends. The cache keeps its B rows: the stage's rows
    are moved, in place and one layer at a time, to its leading rows (`KVCache.move_rows`; each batch shard's
-   own prefix on a mesh), which are all that the stage's steps read and write, so compaction adds no cache-sized
-   buffer to the program's peak. Row r's uniform number at step t
+   own prefix on a mesh), which are all that the stage's steps read and write: compaction makes no second cache
+   (on a mesh, rows that move between shards pass through gathered layer slabs). Row r's uniform number at step t
    is entry r of `uniform(fold_in(key, t), [B])` in every stage, so the tokens do not depend on which
    rows share a batch: compaction on and off sample the same tokens.
 
