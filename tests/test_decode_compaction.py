@@ -12,8 +12,8 @@ from config_files import load_config
 from corl_jax.cohort import Cohort, load_agents
 from corl_jax.config import ConfigError, validate
 from corl_jax.data import PromptBlock
-from corl_jax.models import sharding
 from corl_jax.demo import arithmetic
+from corl_jax.models import sharding
 from corl_jax.sampling.controls import SamplingParams
 from corl_jax.sampling.engine import Buckets
 from test_sampling import SMALL, checkpoint, mixed_length_prompts, sampler_for  # noqa: F401  (fixture)

@@ -30,7 +30,7 @@ from corl_jax.compile_check import _compiled_memory, _is_variable, topology_devi
 from corl_jax.models import Decoder, ModelConfig  # noqa: E402
 from corl_jax.models.sharding import batch_sharding, state_shardings  # noqa: E402
 from corl_jax.sampling.controls import SamplingParams  # noqa: E402
-from corl_jax.sampling.engine import Buckets, Sampler, round_up, CACHE_BLOCK  # noqa: E402
+from corl_jax.sampling.engine import CACHE_BLOCK, Buckets, Sampler, round_up  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 
