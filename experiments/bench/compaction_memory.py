@@ -38,13 +38,7 @@ def sampler_temp(shape: str, chips: int, attention: str, compaction: int, prompt
                  prompt_width: int, new_tokens: int) -> dict:
     """Temp bytes per chip of the sampler's program and the KV cache's share of them."""
     model_type, fields = SHAPES[shape]
-    fields = dict(fields)
-    config = ModelConfig(model_type=model_type, vocab_size=fields["vocab_size"], hidden_size=fields["hidden_size"],
-                         intermediate_size=fields["intermediate_size"], num_layers=fields["num_hidden_layers"],
-                         num_heads=fields["num_attention_heads"], num_kv_heads=fields["num_key_value_heads"],
-                         head_dim=fields.get("head_dim", fields["hidden_size"] // fields["num_attention_heads"]),
-                         tie_word_embeddings=fields["tie_word_embeddings"], qk_norm=model_type == "qwen3",
-                         qkv_bias=model_type == "qwen2", param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    config = ModelConfig.from_hf_dict(dict(fields, model_type=model_type), param_dtype=jnp.bfloat16)
     devices, _ = topology_devices("v6e-4")
     mesh = Mesh(np.array(devices[:chips]).reshape(chips, 1, 1), ("data", "fsdp", "tensor"))
     model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
