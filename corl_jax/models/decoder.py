@@ -104,13 +104,6 @@ class KVCache:
         return self.replace(k=k, v=v, mask=self.mask.at[target].set(self.mask[source]))
 
     @staticmethod
-    def leading_row_indices(n: int, rows: int, batch_shards: int) -> jax.Array:
-        """Cache row of each of the n leading rows (see the class docstring) of a cache of `rows` rows."""
-        i = jnp.arange(n, dtype=jnp.int32)
-        per_shard = n // batch_shards
-        return i // per_shard * (rows // batch_shards) + i % per_shard
-
-    @staticmethod
     def logical_axes() -> "KVCache":
         """Logical axis names of each field (for `corl_jax.models.sharding.cache_shardings`)."""
         kv = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")

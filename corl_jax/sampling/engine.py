@@ -15,12 +15,12 @@ One compiled program per shape bucket does everything on the device:
      [(j-1)·kv_block, j·kv_block) and attends over the first Tp + j·kv_block cache slots only, so the
      cost of a step follows the filled length to within kv_block.
 4. decode compaction (`Sampler(compaction=n)`, n > 0): the loop runs in *stages* of B, B/2, ..., B/2^n rows.
-   Once at most the next stage's size of rows are still live, the live rows (and finished ones to fill
-   it) are gathered into the smaller batch (tokens, positions, per-row state) and the loop goes on there;
-   every row's results are scattered back when its stage ends. The cache keeps its B rows: the stage's rows
-   are moved, in place and one layer at a time, to its leading rows (`KVCache.move_rows`; each batch shard's
-   own prefix on a mesh), which are all that the stage's steps read and write: compaction makes no second cache
-   (on a mesh, rows that move between shards pass through gathered layer slabs). Row r's uniform number at step t
+   Once no batch shard (the whole batch on one device) holds more live rows than its share of the next stage,
+   each shard's live rows (and finished ones to fill its share) are gathered into the smaller batch (tokens,
+   positions, per-row state) and the loop goes on there; every row's results are scattered back when its stage
+   ends. The cache keeps its B rows: each shard's stage rows are moved, in place and one layer at a time, to the
+   shard's leading rows (`KVCache.move_rows`, per shard on a mesh: no row crosses chips), which are all that the
+   stage's steps read and write: compaction makes no second cache. Row r's uniform number at step t
    is entry r of `uniform(fold_in(key, t), [B])` in every stage, so the tokens do not depend on which
    rows share a batch: compaction on and off sample the same tokens.
 
@@ -322,7 +322,8 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, forced_len
         for end in segments:
             limit = jnp.minimum(end, max_new)
             carry = jax.lax.while_loop(
-                lambda c, limit=limit, next_size=next_size: (c.step < limit) & (jnp.sum(~c.done) > next_size),
+                lambda c, limit=limit, next_size=next_size: (c.step < limit) & (
+                    _most_live_in_a_shard(c.done, batch_shards) > next_size // batch_shards),
                 lambda c, attend_len=Tp + end, attend=cache_attention: decode_step(c, attend_len, attend),
                 carry,
             )
@@ -333,17 +334,33 @@ def _generate(state, prompt_ids, prompt_mask, stop_ids, max_new, key, forced_len
     return Completions(tokens=out.tokens, mask=mask, logprobs=out.logprobs, lengths=out.lengths, truncated=~out.done)
 
 
+def _most_live_in_a_shard(done, batch_shards: int):
+    """The largest count of live rows among the batch shards' blocks of rows."""
+    return jnp.max(jnp.sum(~done.reshape(batch_shards, -1), axis=1))
+
+
 def _compact(c: "_Carry", size: int, batch_shards: int, mesh: Mesh | None, rules) -> "_Carry":
-    """`size` rows of `c`, the live ones first (every live row fits: the stage loop ran until at most `size` were
-    live); their cache rows move to the cache's `size` leading rows (see `KVCache`)."""
-    keep = jnp.argsort(c.done, stable=True)[:size]
-    rows = c.cache.mask.shape[0]
-    now = KVCache.leading_row_indices(c.done.shape[0], rows, batch_shards)
-    cache = c.cache.move_rows(now[keep], KVCache.leading_row_indices(size, rows, batch_shards))
-    if mesh is not None:
-        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
-    return c.replace(cache=cache, tokens=c.tokens[keep], logprobs=c.logprobs[keep], done=c.done[keep],
-                     lengths=c.lengths[keep], rows=c.rows[keep])
+    """`size` rows of `c`: each batch shard keeps size/s of its own rows, the live ones first (they all fit: the
+    stage loop ran until no shard had more live rows). A shard's kept cache rows move to its leading rows inside
+    the shard (see `KVCache`), so no row crosses shards."""
+    per_shard = c.done.shape[0] // batch_shards
+    local = jnp.argsort(c.done.reshape(batch_shards, per_shard), axis=1, stable=True)[:, :size // batch_shards]
+    keep = (local + per_shard * jnp.arange(batch_shards)[:, None]).reshape(-1)
+    return c.replace(cache=_move_to_leading_rows(c.cache, local, mesh, rules), tokens=c.tokens[keep],
+                     logprobs=c.logprobs[keep], done=c.done[keep], lengths=c.lengths[keep], rows=c.rows[keep])
+
+
+def _move_to_leading_rows(cache: KVCache, local, mesh: Mesh | None, rules) -> KVCache:
+    """`cache` with each batch shard's rows local[shard] (int [shards, m], indices within the shard) moved to the
+    shard's m leading rows; on a mesh, per shard (`shard_map`), so the move is local to each chip."""
+    def move(cache, local):
+        return cache.move_rows(local[0], jnp.arange(local.shape[1]))
+
+    if mesh is None:
+        return move(cache, local)
+    specs = jax.tree.map(lambda s: s.spec, cache_shardings(cache, mesh, rules))
+    return jax.shard_map(move, mesh=mesh, in_specs=(specs, jax.sharding.PartitionSpec(specs.mask[0])),
+                         out_specs=specs, check_vma=False)(cache, local)
 
 
 def _scatter(out: "_Carry", c: "_Carry") -> "_Carry":
