@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -110,21 +111,28 @@ def test_parameters_change_and_stay_finite(tmp_path):
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final[name]["params"]))
 
 
-def _cli(workdir, *overrides, **kwargs):
+def _cli(workdir, *overrides, compilation_cache=None, **kwargs):
+    """The trainer CLI on ring3:tiny; with `compilation_cache` (a directory), runs after the first read the
+    programs it compiled instead of compiling them again."""
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}",
            *overrides]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ), **kwargs)
+    env = dict(os.environ)
+    if compilation_cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(compilation_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            **kwargs)
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     steps = ("--config.train.max_steps=5", "--config.train.save_every=1", "--config.train.eval_every=100",
              "--config.train.eval_on_start=False")
-    reference = _cli(tmp_path / "straight", *steps)
+    cli = functools.partial(_cli, compilation_cache=tmp_path / "compilation_cache")
+    reference = cli(tmp_path / "straight", *steps)
     out, _ = reference.communicate(timeout=900)
     assert reference.returncode == 0, out
 
-    interrupted = _cli(tmp_path / "killed", *steps)
+    interrupted = cli(tmp_path / "killed", *steps)
     checkpoints = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 600
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -132,8 +140,9 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
         time.sleep(0.2)
     time.sleep(random.Random(0).uniform(0.0, 3.0))  # somewhere inside a later step or save
     interrupted.send_signal(signal.SIGKILL)
-    interrupted.wait()
-    resumed = _cli(tmp_path / "killed", *steps)
+    assert interrupted.wait() == -signal.SIGKILL, "the run ended before the kill: it tests no resume"
+    assert Checkpointer(str(tmp_path / "killed")).latest_step() < 5
+    resumed = cli(tmp_path / "killed", *steps)
     out, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, out
 
