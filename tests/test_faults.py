@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from cached_compiles import compilation_cache_env
 from config_files import load_config
 from corl_jax import workdir as run_dir
 from corl_jax.checkpointing import Checkpointer, fingerprint
@@ -247,8 +248,7 @@ def test_sigterm_saves_then_exits_143_and_resumes_exactly(straight, compilation_
                  "--config.train.eval_every=100", "--config.train.save_every=100"]
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ttrl.py:tiny", f"--workdir={tmp_path}",
            *overrides]
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": compilation_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {**os.environ, **compilation_cache_env(compilation_cache)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 600
     while not (metrics.exists() and metrics.read_text().strip()):  # the first step is logged

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from cached_compiles import compilation_cache_env
 from corl_jax.checkpointing import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,8 +112,7 @@ def zoo(tmp_path_factory):
     the environment): the runs of one topology (2 x 4 shared: the killed run and its restart) compile once;
     process 0 writes each executable and every process reads it, bit for bit what it would compile."""
     env = {"CORL_JAX_CACHE": str(tmp_path_factory.mktemp("zoo_cache")),  # the single-process run builds it first
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compilation_cache")),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+           **compilation_cache_env(tmp_path_factory.mktemp("compilation_cache"))}
     os.environ.update(env)
     yield env["CORL_JAX_CACHE"]
     for name in env:

@@ -1,6 +1,7 @@
 """`random:<hub id>` stand-ins and experiments/bench/paper_shape_run.py end to end at CPU size (train, resume, eval)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cached_compiles import compilation_cache_env
 from corl_jax import compile_check
 from corl_jax.models.paper_shapes import PAPER_MODELS
 from corl_jax.registry import resolve_model_path
@@ -57,10 +59,11 @@ def test_bad_random_path_names_the_fix(path, fix):
         resolve_model_path(path)
 
 
-def test_paper_shape_run_tiny_end_to_end(tmp_path):
+def test_paper_shape_run_tiny_end_to_end(tmp_path):  # (with a compilation cache: the resume reads the programs)
     out = tmp_path / "result.json"
     subprocess.run([sys.executable, "experiments/bench/paper_shape_run.py", "--size=tiny", "--steps=1",
-                    f"--workdir={tmp_path / 'run'}", f"--out={out}"], cwd=REPO, check=True)
+                    f"--workdir={tmp_path / 'run'}", f"--out={out}"], cwd=REPO, check=True,
+                   env=dict(os.environ, **compilation_cache_env(tmp_path / "compilation_cache")))
     result = json.loads(out.read_text())
     assert [p for p in result["phases"]] == ["build", "first", "resume", "eval"]
     assert [row["step"] for row in result["steps"]] == [1, 2]  # the resume continued at step 2

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cached_compiles import compilation_cache_env
 from config_files import load_config
 from corl_jax import grpo
 from corl_jax.checkpointing import Checkpointer
@@ -116,10 +117,7 @@ def _cli(workdir, *overrides, compilation_cache=None, **kwargs):
     programs it compiled instead of compiling them again."""
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}",
            *overrides]
-    env = dict(os.environ)
-    if compilation_cache:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(compilation_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env = dict(os.environ, **(compilation_cache_env(compilation_cache) if compilation_cache else {}))
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             **kwargs)
 
