@@ -121,8 +121,10 @@ def _is_variable(x) -> bool:
 
 
 def _compiled_memory(compile) -> dict:
-    """Per-chip argument/output/alias/temp bytes of `compile()`'s program. libtpu refuses to compile a program whose
-    temporaries exceed the chip's HBM: that is a result ("oom", with the temp bytes it asked for), not an error."""
+    """Per-chip argument/output/alias/temp bytes of `compile()`'s program, and its live_peak (the most bytes live at once,
+    arguments included: temp alone counts some buffers that are never live together). libtpu refuses to compile a
+    program whose temporaries exceed the chip's HBM: that is a result ("oom", with the temp bytes it asked for), not
+    an error."""
     import re
 
     import jax
@@ -135,7 +137,8 @@ def _compiled_memory(compile) -> dict:
             raise
         temp = float(need.group(1)) * 1024 ** " KMGT".index(need.group(2))
         return {"argument": 0, "output": 0, "alias": 0, "temp": int(temp), "oom": str(e).splitlines()[0][:200]}
-    return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")} | {
+        "live_peak": int(m.peak_memory_in_bytes)}
 
 
 def program_key(config, name: str, program: str, topology: str, mesh_shape: dict, prompt_len: int) -> str:

@@ -1,9 +1,11 @@
 """Decode compaction's memory: the sampler program's temporary bytes per chip with `rollout.decode_compaction` 0, 1, 2,
 compiled by libtpu on this (CPU) host for a v6e slice (32 GiB a chip) (no TPU and no weights needed; `pip install 'libtpu==0.0.42.*'`).
 
-The KV cache is created inside the sampling program, so it is part of the temporaries; the ratio temp / cache says
-what compaction adds on top of the cache (the GPU and TPU compilers assign buffers the same way; the CPU backend's
-memory analysis does not show in-place reuse, so it is not used here).
+The KV cache is created inside the sampling program, so it is part of the temporaries; the ratios temp / cache and
+peak / cache say what compaction adds on top of the cache. temp is the buffer assignment's total, which can count
+buffers that are never live together (on a mesh it does); peak is the most bytes live at once, the weights included,
+which is what must fit a chip. (The GPU and TPU compilers assign buffers the same way; the CPU backend's memory
+analysis does not show in-place reuse, so it is not used here.)
 
     python experiments/bench/compaction_memory.py --out experiments/results/compaction_memory.json
 """
@@ -58,9 +60,10 @@ def sampler_temp(shape: str, chips: int, attention: str, compaction: int, prompt
     slots = round_up(prompt_width + new_tokens, CACHE_BLOCK)
     cache = 2 * config.num_layers * prompts * samples * config.num_kv_heads * slots * config.head_dim * 2 // chips
     temp = memory["temp"]  # (a program over the chip's HBM: the temporaries libtpu asked for, and "oom")
+    peak = memory.get("live_peak")  # the most bytes live at once (weights included); absent for an "oom" program
     return dict(shape=shape, chips=chips, attention=attention, compaction=compaction, temp_bytes=temp,
-                cache_bytes=cache, temp_over_cache=round(temp / cache, 4), oom="oom" in memory,
-                compile_seconds=round(seconds, 1))
+                cache_bytes=cache, temp_over_cache=round(temp / cache, 4), peak_bytes=peak,
+                peak_over_cache=peak and round(peak / cache, 4), oom="oom" in memory, compile_seconds=round(seconds, 1))
 
 
 def main(argv=None):
