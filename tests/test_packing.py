@@ -19,7 +19,7 @@ from corl_jax.demo import arithmetic
 from corl_jax.models import ModelConfig
 from corl_jax.models.decoder import _attention
 from corl_jax.models.splash_attention import splash_attention
-from corl_jax.packing import pack_plan, packed_flops_fraction, packed_micro
+from corl_jax.packing import HEAD_STEPS, pack_plan, packed_flops_fraction, packed_micro
 from hf_tiny import hf_logits, make_tiny_hf_checkpoint
 
 
@@ -51,8 +51,8 @@ def test_plan_places_every_row_once_within_its_line_and_fills_lines():
     # fewer micro-batches than the unpacked 16 of 4 rows, and no fewer than the tokens need
     assert -(-lengths.sum() // (4 * 240)) <= plan.num_micro < 16
     for m in range(plan.num_micro):  # scored positions: the micro-batch's completion tokens over its lines, rounded
-        need = widths[plan.rows_of(m)].sum()
-        assert need <= 4 * plan.heads[m] < need + 4 * 8 + 4
+        need, step = widths[plan.rows_of(m)].sum(), plan.widths[m] // HEAD_STEPS
+        assert need <= 4 * plan.heads[m] < need + 4 * step + 4 and plan.heads[m] % step == 0
 
 
 def test_plan_rejects_rows_it_cannot_place():
