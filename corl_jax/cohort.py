@@ -388,6 +388,13 @@ def _score_packed(graphdef, params, micro, s: UpdateSettings):
     return jnp.where(micro["scored"], logp, 0.0)
 
 
+@jax.jit
+def _sum_trees(trees: list):
+    """The leafwise sum of same-structured trees, as one program (one per list length). Summed eagerly, the adds of
+    differently sharded per-micro-batch outputs hung XLA:CPU's collectives on 8 devices (the paper-shape CLI run)."""
+    return jax.tree.map(lambda *xs: sum(xs), *trees)
+
+
 def packed_micro_batches(plan: packing.PackPlan, tokens: np.ndarray, attention: np.ndarray, prompt_len: int,
                          prompt_tokens: np.ndarray, widths: np.ndarray, put) -> list[dict[str, jax.Array]]:
     """The plan's micro-batches (`packing.packed_micro`) of the step's host rows, placed by `put`."""
@@ -397,7 +404,7 @@ def packed_micro_batches(plan: packing.PackPlan, tokens: np.ndarray, attention: 
 
 def packed_score(graphdef, params, micros: list[dict[str, jax.Array]], s: UpdateSettings) -> jax.Array:
     """`score_completions`' log p [N, Tc] from packed micro-batches (0 after each row's last attended column)."""
-    return sum(_score_packed(graphdef, params, micro, s) for micro in micros)
+    return _sum_trees([_score_packed(graphdef, params, micro, s) for micro in micros])
 
 
 def packed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettings,
@@ -412,7 +419,7 @@ def packed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettin
     for micro in micros:
         grads, loss, micro_rows = _accumulate_packed(graphdef, params, grads, loss, s, batch, micro)
         rows.append(micro_rows)  # zero outside the micro-batch's rows
-    rows = jax.tree.map(lambda *xs: sum(xs), *rows)
+    rows = _sum_trees(rows)
     return _apply_jit(optimizer, params, opt_state, grads, loss, rows, s)
 
 

@@ -96,7 +96,7 @@ def test_cohort_step_with_length_buckets_equals_padded_update():
         config = load_config("rent")
         # AdamW eps 1e-4: at 1e-8 a weight with a ~0 gradient moves by O(lr) on float noise alone (test_update_oracle)
         config.optim.update(learning_rate=1e-2, warmup_ratio=0.0, eps=1e-4)
-        config.grpo.length_bucket = bucket
+        config.grpo.update(length_bucket=bucket, packing=False)
         validate(config)
         agents = load_agents(config, config.train.max_steps)
         metrics, _ = Cohort(config, agents).step(PromptBlock(step=1, epoch=0, problems=tuple(

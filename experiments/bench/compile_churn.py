@@ -9,7 +9,7 @@ from `length_model.py`'s LogNormal (mean 45% of the budget, 10% truncated), pads
 one shape key per agent: (prompt width, completion width) of a bucketed micro-batch (`_accumulate`, and
 `score_completions` for the old log-probs), (line width, scored positions) of a packed one (`_accumulate_packed`,
 `_score_packed`). The sampler's programs follow the prompt width alone (listed too). Also the mean share of the
-update's FLOPs spent on padding at `--shape` (`cohort.padded_flops_fraction`, `packing.packed_flops_fraction`: a
+update's FLOPs spent on padding at each of `--shapes` (`cohort.padded_flops_fraction`, `packing.packed_flops_fraction`: a
 packed line's attention counts its whole square). Host only, no device.
 
     python experiments/bench/compile_churn.py --out experiments/results/compile_churn.json
@@ -35,18 +35,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def step_plan(prompt_tokens: np.ndarray, lengths: np.ndarray, prompt_width: int, budget: int, micro: int,
-              setting: str, model_config) -> tuple[set[tuple[int, int]], float]:
-    """The update's micro-batch shape keys of one step under `setting` ("bucket:N" or "pack:N") and the share of its
-    FLOPs spent on padding at `model_config`'s shape."""
+              setting: str, model_configs: dict) -> tuple[set[tuple[int, int]], dict[str, float]]:
+    """The update's micro-batch shape keys of one step under `setting` ("bucket:N" or "pack:N") and, per model
+    shape of `model_configs`, the share of its FLOPs spent on padding."""
     kind, bucket = setting.split(":")
     bucket = int(bucket)
     if kind == "pack":
         plan = pack_plan(prompt_tokens, lengths, micro, prompt_width + budget, bucket)
         return (set(zip(plan.widths.tolist(), plan.heads.tolist())),
-                packed_flops_fraction(model_config, prompt_tokens, lengths, plan))
+                {k: packed_flops_fraction(c, prompt_tokens, lengths, plan) for k, c in model_configs.items()})
     plan = bucket_plan(prompt_tokens, lengths, len(lengths) // micro, bucket, prompt_width, budget)
     return (set(zip(plan[1].tolist(), plan[2].tolist())),
-            padded_flops_fraction(model_config, prompt_tokens, lengths, plan))
+            {k: padded_flops_fraction(c, prompt_tokens, lengths, plan) for k, c in model_configs.items()})
 
 
 def main() -> None:
@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=lambda v: [int(x) for x in v.split(",")],
                         default=[1, 10, 50, 100, 200, 500, 1000])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shape", default="qwen3-0.6b", help="the model shape of the padded-FLOPs fraction")
+    parser.add_argument("--shapes", type=lambda v: v.split(","), default=["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"],
+                        help="the model shapes of the padded-FLOPs fraction")
     args = parser.parse_args()
 
     if args.tokenizer is None:
@@ -74,8 +75,8 @@ def main() -> None:
     tokens_of = np.asarray(prompt_lengths(load_tokenizer(args.tokenizer), problems))
     mu, sigma = lognormal_params(0.45, 0.10)
     rng = np.random.default_rng(args.seed)
-    family, hf = SHAPES[args.shape]
-    model_config = ModelConfig.from_hf_dict({"model_type": family, **hf})
+    model_configs = {shape: ModelConfig.from_hf_dict({"model_type": SHAPES[shape][0], **SHAPES[shape][1]})
+                     for shape in args.shapes}
     seen = {(s, m): set() for s in args.settings for m in args.micro}
     padded = {(s, m): [] for s in args.settings for m in args.micro}
     prompt_widths, curves = set(), {f"{s} micro {m}": [] for s in args.settings for m in args.micro}
@@ -88,7 +89,7 @@ def main() -> None:
         lengths = sample_lengths(mu, sigma, args.budget, len(prompt_tokens), args.seed * 100_003 + step)
         for (setting, micro), keys in seen.items():
             step_keys, fraction = step_plan(prompt_tokens, lengths, prompt_width, args.budget, micro, setting,
-                                            model_config)
+                                            model_configs)
             keys |= step_keys
             padded[setting, micro].append(fraction)
             if step in args.checkpoints:
@@ -101,8 +102,9 @@ def main() -> None:
         rows_per_step=args.prompts * args.generations, budget=args.budget,
         length_model=dict(mean_fraction=0.45, truncated=0.10, mu=round(mu, 4), sigma=round(sigma, 4)),
         after_steps=[c for c in args.checkpoints if c <= args.steps],
-        update_programs=curves, sampler_prompt_widths=sampler_curve, padded_flops_shape=args.shape,
-        padded_flops_fraction={f"{s} micro {m}": round(float(np.mean(v)), 4) for (s, m), v in padded.items()},
+        update_programs=curves, sampler_prompt_widths=sampler_curve,
+        padded_flops_fraction={f"{s} micro {m}": {shape: round(float(np.mean([f[shape] for f in v])), 4)
+                                                  for shape in args.shapes} for (s, m), v in padded.items()},
         note="distinct update micro-batch shapes seen by each step (per agent; each shape compiles an accumulate "
              "program and a scoring program); sampler programs: distinct prompt widths")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
