@@ -348,12 +348,26 @@ def test_arithmetic_rows_through_the_file_loader(tmp_path):
                                                             rephrasing="symbols")))
     assert [p.text for p in restated] == [p.text for p in easy]
     assert "minus" not in " ".join(p.rephrased for p in restated)
-    for bad, problem in [("arithmetic:tset", "unknown arithmetic split"), ("arithmetic:rl?levels=1,2", "subset of"),
+    for bad, problem in [("arithmetic:tset", "unknown arithmetic split"), ("arithmetic:rl?levels=0,2", "subset of"),
                          ("arithmetic:rl?levels=two", "invalid literal"), ("arithmetic?level=2", "unknown setting"),
                          ("arithmetic?max_value=5", r"max_value=5 must lie"), ("arithmetic?levels", "bad query"),
                          ("arithmetic?rephrasing=spoken", "unknown rephrasing")]:
         with pytest.raises(DataError, match=f"{problem}.*Fix: use 'arithmetic"):
             load_problems(bad)
+
+
+def test_single_operation_world_and_split_size_from_the_source_string():
+    """levels=1 (one operation per problem: the easiest world, for SmolLM2) and n (the split's size: the world holds
+    only ~630 rl and ~415 test problems at max_value 60, fewer than the default 2,000 / 500)."""
+    problems = load_problems("arithmetic:test?levels=1&word_fraction=0&max_value=60&n=150")
+    items = arithmetic.generate_items("test", 150, levels=(1,), word_fraction=0, max_value=60)
+    assert [p.text for p in problems] == [i.text for i in items] and len(problems) == 150
+    for item in items:
+        assert item.level == 1 and sum(item.expression.count(op) for op in "+-*/") == 1
+        assert evaluate(item.expression) == item.answer
+    assert {i.expression[i.expression.index(" ") + 1] for i in items} == set("+-*/")
+    with pytest.raises(DataError, match="found only .* distinct 'test' problems.*Fix: use 'arithmetic"):
+        load_problems("arithmetic:test?levels=1&word_fraction=0&max_value=10&n=500")
 
 
 def test_benchmarks_name_the_demo_worlds_test_split():

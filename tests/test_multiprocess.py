@@ -28,6 +28,10 @@ STEPS = ("--config.train.max_steps=2", "--config.train.save_every=1", "--config.
          "--config.train.eval_on_start=False", "--config.rollout.max_new_tokens=8", "--config.mesh.data=-1")
 TIMEOUT = 1800  # hang guard per run (a loaded 2-core machine needs ~15 min for one)
 HEARTBEAT = "--heartbeat_timeout_seconds=10"  # a killed process is noticed by the others in seconds, not JAX's 100
+# The shared runs train with the paper-scale update (packed lines, `grpo.packing`), the partitioned ones with the
+# `:tiny` variant's unpacked, length-bucketed update: both update paths run across processes.
+PLACEMENT = {"shared": ("--config.placement=shared", "--config.grpo.packing=True", "--config.grpo.length_bucket=64"),
+             "partitioned": ("--config.placement=partitioned",)}
 
 
 def _free_port() -> int:
@@ -93,13 +97,24 @@ def _final_state(workdir: Path, like=None):
         return c.restore(c.latest_step(), state_target=target).state
 
 
+def _assert_same_metrics(reference: list[dict], run: list[dict]) -> None:
+    """The same logged keys and values; floats within 1e-6 relative (a few float32 ulps)."""
+    assert [sorted(r) for r in run] == [sorted(r) for r in reference]
+    for ref, got in zip(reference, run):
+        off = {k: (ref[k], got[k]) for k in ref if ref[k] != got[k] and not (
+            isinstance(ref[k], float) and np.isclose(got[k], ref[k], rtol=1e-6, atol=0.0))}
+        assert not off, f"step {ref['step']}: (one process, several processes): {off}"
+
+
 def _assert_same_run(reference: Path, run: Path) -> None:
-    # Same completions, same grading: every logged value (rewards, losses, grad norms, eval) is identical. The
-    # gradient all-reduce over the 8 (6) devices sums in another order across processes (gloo) than within one, so
-    # Adam moments may differ in the last float32 bits (seen: 9e-11 absolute); Adam divides each gradient element by
-    # its RMS, so where that is near zero a parameter can move by a little more (seen: one element of 16384 off by
-    # 6e-7, i.e. 0.06% of one lr=1e-3 update). The tolerance is that reduction-order noise, far below one update.
-    assert _without_timings(_rows(run, "metrics.jsonl")) == _without_timings(_rows(reference, "metrics.jsonl"))
+    # Same completions, same grading: every logged value (rewards, losses, grad norms, eval) is the same. Sums over
+    # the 8 (6) devices run in another order across processes (gloo) than within one: a metric summed over packed
+    # lines may differ in its last float32 bit (seen: entropy 5.752535343 vs 5.752535820), and Adam moments may
+    # differ in the last bits (seen: 9e-11 absolute); Adam divides each gradient element by its RMS, so where that is
+    # near zero a parameter can move by a little more (seen: one element of 16384 off by 6e-7, i.e. 0.06% of one
+    # lr=1e-3 update). The tolerances are that reduction-order noise, far below one update.
+    _assert_same_metrics(_without_timings(_rows(reference, "metrics.jsonl")),
+                         _without_timings(_rows(run, "metrics.jsonl")))
     a = _final_state(reference)
     b = _final_state(run, like=a)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -109,8 +124,8 @@ def _assert_same_run(reference: Path, run: Path) -> None:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     """The trainers' model zoo and a persistent compilation cache, shared by this module's runs (inherited through
-    the environment): the runs of one topology (2 x 4 shared: the killed run and its restart) compile once;
-    process 0 writes each executable and every process reads it, bit for bit what it would compile."""
+    the environment): the runs of one topology (2 x 4 shared: the equality run, the killed run and its restart)
+    compile once; process 0 writes each executable and every process reads it, bit for bit what it would compile."""
     env = {"CORL_JAX_CACHE": str(tmp_path_factory.mktemp("zoo_cache")),  # the single-process run builds it first
            **compilation_cache_env(tmp_path_factory.mktemp("compilation_cache"))}
     os.environ.update(env)
@@ -127,7 +142,7 @@ def single_process_run(zoo, tmp_path_factory):
     def get(placement: str, devices: int) -> Path:
         if (placement, devices) not in runs:
             runs[placement, devices] = tmp_path_factory.mktemp(f"one_{placement}")
-            _run(runs[placement, devices], 1, devices, f"--config.placement={placement}")
+            _run(runs[placement, devices], 1, devices, *PLACEMENT[placement])
         return runs[placement, devices]
 
     return get
@@ -142,17 +157,16 @@ def _assert_written_once(run: Path, outputs: list[str]) -> None:
     assert shards == {f"ocdbt.process_{i}" for i in range(len(outputs))}
 
 
-@pytest.mark.parametrize("placement, processes, devices", [("partitioned", 2, 3), ("shared", 4, 2)])
+@pytest.mark.parametrize("placement, processes, devices", [("partitioned", 2, 3), ("shared", 2, 4)])
 def test_processes_train_like_one_process(placement, processes, devices, single_process_run, tmp_path):
     reference = single_process_run(placement, processes * devices)
-    outputs = _run(tmp_path / "many", processes, devices, f"--config.placement={placement}")
+    outputs = _run(tmp_path / "many", processes, devices, *PLACEMENT[placement])
     _assert_same_run(reference, tmp_path / "many")
     _assert_written_once(tmp_path / "many", outputs)
 
 
 def test_sigkill_of_one_process_stops_the_others_then_restart_resumes_exactly(single_process_run, tmp_path):
-    flag = "--config.placement=shared"
-    procs = _launch(tmp_path / "killed", 2, 4, flag)
+    procs = _launch(tmp_path / "killed", 2, 4, *PLACEMENT["shared"])
     checkpoints, deadline = tmp_path / "killed" / "checkpoints", time.time() + TIMEOUT
     try:
         while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -165,7 +179,7 @@ def test_sigkill_of_one_process_stops_the_others_then_restart_resumes_exactly(si
     finally:
         _kill(procs)
     assert 1 in Checkpointer(str(checkpoints.parent)).all_steps()
-    outputs = _run(tmp_path / "killed", 2, 4, flag)
+    outputs = _run(tmp_path / "killed", 2, 4, *PLACEMENT["shared"])
     _assert_same_run(single_process_run("shared", 8), tmp_path / "killed")
     _assert_written_once(tmp_path / "killed", outputs)
 
@@ -216,7 +230,7 @@ def test_checkpoint_one_process_cannot_read_stops_every_process_with_one_line(vi
             largest.write_bytes(bytes(data))
     if view == "stale":
         shutil.rmtree(unseen / "checkpoints" / "2")
-    errors = _refusals(_launch(seen, 2, 1, "--config.placement=shared", only={1: (f"--workdir={unseen}",)}))
+    errors = _refusals(_launch(seen, 2, 1, *PLACEMENT["shared"], only={1: (f"--workdir={unseen}",)}))
     assert errors[0] == errors[1] and len(errors[0]) == 1, errors
     line = errors[0][0]
     if view == "damaged":

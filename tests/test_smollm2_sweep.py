@@ -4,6 +4,7 @@ gguf-py and transformers do."""
 import importlib.util
 import json
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import numpy as np
 import pytest
@@ -74,18 +75,33 @@ def test_unpack_parts_names_missing_parts(tmp_path):
         smollm2.unpack_parts([part], tmp_path / "out")
 
 
+def _evidence_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / "evidence" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _sweep_module():
-    spec = importlib.util.spec_from_file_location("smollm2_sweep", REPO / "experiments" / "evidence" / "smollm2_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    return sweep
+    return _evidence_module("smollm2_sweep")
+
+
+@pytest.mark.parametrize("text, number", [("11 * 2 = 22\n\nSo, the answer is 22.", "22"), ("1,234 apples", "1234"),
+                                          ("x = 3.0", "3"), ("-5 and 7.5", "-5"), ("\\boxed{29}", "29"),
+                                          ("no digits", None)])
+def test_base_diagnostic_reads_the_last_integer(text, number):
+    """smollm2_base.py's format diagnostic: the last integer of a completion, whatever its format."""
+    assert _evidence_module("smollm2_base").last_number(text) == number
 
 
 @pytest.mark.parametrize("split", ["rl", "test"])
 def test_every_candidate_world_holds_the_runs_splits(split):
-    """A world the sweep may pick must give the run its whole split (the H100 sweep failed on a world too small)."""
+    """A world the sweep may pick must hold the split the run reads (the H100 sweep failed on a world too small)."""
+    c = _config_module().get_config("gt_reward")
+    needed = {"rl": c.rollout.prompts_per_step * c.train.max_steps, "test": c.data.max_eval_samples}[split]
     for world in _sweep_module().WORLDS:
-        assert len(load_problems(f"arithmetic:{split}?{world}")) == {"rl": 2000, "test": 500}[split]
+        size = dict(parse_qsl(world)).get("n", {"rl": 2000, "test": 500}[split])
+        assert len(load_problems(f"arithmetic:{split}?{world}")) == int(size) >= needed
 
 
 def test_pick_world_prefers_symbolic_worlds_in_range_then_nearest_035():

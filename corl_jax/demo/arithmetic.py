@@ -1,6 +1,7 @@
 """The synthetic arithmetic world: integer-answer problems a laptop-sized model can learn.
 
-Two kinds of problem, each a chain of 2-5 integer operations (its `level`):
+Two kinds of problem, each a chain of integer operations (its `level`: 2-5 by default; 1, a single operation, makes
+the easiest world):
   * expressions such as "(17 + 5) * 3 - 8": a random tree whose every intermediate value is a whole number in
     [1, max_value] (MAX_VALUE by default; a smaller bound makes an easier world);
   * word problems from templates (shopping, sharing, ages, rates, ...).
@@ -30,7 +31,8 @@ from corl_jax.problems import DataError, Problem
 SPLITS = ("sft", "rl", "test")
 SPLIT_SHARES = (0.5, 0.3, 0.2)  # share of the canonical problem space that belongs to each split
 DEFAULT_SIZES = {"sft": 4000, "rl": 2000, "test": 500}
-LEVELS = (2, 3, 4, 5)
+ALL_LEVELS = (1, 2, 3, 4, 5)  # operations per problem; word problems exist for 2-5
+LEVELS = ALL_LEVELS[1:]  # the default
 MAX_VALUE = 200  # bound on every number in an expression, leaves and intermediate values alike
 # The easier world of the embedded CPU demo (`configs/*.py:demo`): short expressions with small numbers, which
 # bases of ~100k parameters learn in about two CPU minutes (experiments/results/demo_recipes/).
@@ -108,8 +110,8 @@ def generate_items(split: str, n: int, seed: int = 0, levels: Sequence[int] = LE
     rephrased text of expressions)."""
     if split not in SPLITS:
         raise ValueError(f"unknown arithmetic split {split!r}; use one of {SPLITS}")
-    if not levels or not set(levels) <= set(LEVELS):
-        raise ValueError(f"levels {tuple(levels)} must be a non-empty subset of {LEVELS}")
+    if not levels or not set(levels) <= set(ALL_LEVELS):
+        raise ValueError(f"levels {tuple(levels)} must be a non-empty subset of {ALL_LEVELS}")
     if not 10 <= max_value <= MAX_VALUE:
         raise ValueError(f"max_value={max_value} must lie in [10, {MAX_VALUE}]")
     if not 0 <= word_fraction <= 1:
@@ -171,9 +173,9 @@ def problems_from_spec(spec: str) -> list[Problem]:
     source, _, query = spec.partition("?")
     split = source.partition(":")[2] or "rl"
     types = {"levels": lambda v: tuple(int(x) for x in v.split(",")), "word_fraction": float, "max_value": int,
-             "rephrasing": str}
+             "rephrasing": str, "n": int}
     fix = (f"Fix: use 'arithmetic[:split][?setting=value&...]' with a split of {SPLITS} and settings "
-           f"{sorted(types)}, e.g. 'arithmetic:test?levels=2,3&max_value=60'")
+           f"{sorted(types)} (n: the split's size), e.g. 'arithmetic:test?levels=2,3&max_value=60'")
     try:
         settings = {key: types[key](value) for key, value in parse_qsl(query, strict_parsing=bool(query))}
         return generate(split, **settings)

@@ -52,9 +52,12 @@ def train_command(workdir: str, size: str, max_steps: int, prompts: int | None =
     agents = [arg for agent in PAPER for arg in (f"--config.agents.{agent}.model_path={model_path(agent, size)}",
                                                  f"--config.agents.{agent}.param_dtype=bfloat16")]
     sources = ["--config.data.train_path=math500", "--config.data.holdout_size=0", "--config.data.skip_bad_rows=True"]
-    if size == "tiny":  # MATH-500 prompts do not fit a few-token CPU run
+    if size == "tiny":  # MATH-500 prompts do not fit a few-token CPU run; the update is the `:tiny` variant's
+        # unpacked one (packing's line shapes compile 4x longer on 8 CPU devices; tests/test_multiprocess.py and
+        # tests/test_update_oracle.py run the packed update)
         sources = ["--config.data.train_path=arithmetic", "--config.data.eval_path=arithmetic",
-                   "--config.rollout.max_prompt_len=512", "--config.grpo.remat=none"]
+                   "--config.rollout.max_prompt_len=512", "--config.grpo.remat=none", "--config.grpo.packing=False",
+                   "--config.grpo.length_bucket=128"]
     return [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py", f"--workdir={workdir}", *agents,
             *sources, f"--config.rollout.prompts_per_step={s['prompts_per_step']}",
             f"--config.rollout.max_new_tokens={s['max_new_tokens']}",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -46,12 +47,26 @@ def measure(directory, problems, *, samples: int, max_new_tokens: int, seed: int
                                           key=jax.random.key(seed + 1))
     grade = lambda text, p: grade_answer(extract_answer(text), p.answer)  # noqa: E731
     lengths = np.asarray(completions.mask).sum(axis=1)
-    return dict(greedy=round(float(np.mean([grade(row[0], p) for row, p in zip(greedy, problems)])), 4),
-                t1_mean=round(float(np.mean([grade(t, p) for row, p in zip(sampled, problems) for t in row])), 4),
+    t1 = [(t, p) for row, p in zip(sampled, problems) for t in row]
+    share = lambda values: round(float(np.mean(values)), 4)  # noqa: E731
+    return dict(greedy=share([grade(row[0], p) for row, p in zip(greedy, problems)]),
+                t1_mean=share([grade(t, p) for t, p in t1]),
                 t1_majority=round(float(majority_correct(sampled, problems).mean()), 4),
                 t1_eos_rate=round(float((lengths < max_new_tokens).mean()), 4),
                 t1_mean_length=round(float(lengths.mean()), 1),
+                # diagnostics, not rewards: how often an answer is boxed (what the verifier reads), and how often
+                # the text's last number is the answer whatever its format
+                greedy_boxed=share(["\\boxed" in row[0] for row in greedy]),
+                greedy_last_number=share([last_number(row[0]) == p.answer for row, p in zip(greedy, problems)]),
+                t1_boxed=share(["\\boxed" in t for t, _ in t1]),
+                t1_last_number=share([last_number(t) == p.answer for t, p in t1]),
                 example_greedy=greedy[0][0][:600])
+
+
+def last_number(text: str) -> str | None:
+    """The last integer written in `text` (commas and a trailing .0 dropped), as a string; None if there is none."""
+    numbers = re.findall(r"(?<![\d.])-?\d[\d,]*(?:\.0+)?(?![\d.]*\d)", text)
+    return numbers[-1].replace(",", "").split(".")[0] if numbers else None
 
 
 def main() -> None:
