@@ -388,6 +388,21 @@ def _score_packed(graphdef, params, micro, s: UpdateSettings):
     return jnp.where(micro["scored"], logp, 0.0)
 
 
+def _placed(tree, shardings):
+    """`tree` on the (same-structured) `shardings`, by one program that every process runs. (`jax.device_put`
+    decides leaf by leaf, from each array's sharding as its process reports it, whether to run a resharding program;
+    in a 2-process packed run the processes decided differently and hung in that program's collective.)"""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, _placer(tuple(jax.tree.leaves(shardings)))(leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _placer(shardings: tuple):
+    """The identity on a list of arrays, compiled with `shardings` as its outputs' (kept exactly, P("x", None) too,
+    so that the next step's programs see the shardings they were compiled for)."""
+    return jax.jit(lambda leaves: leaves, out_shardings=list(shardings), donate_argnums=0)
+
+
 @jax.jit
 def _sum_trees(trees: list):
     """The leafwise sum of same-structured trees, as one program (one per list length). Summed eagerly, the adds of
@@ -585,7 +600,7 @@ class Cohort:
                                                    batch, self.settings)
             # back on the input's (equivalent) shardings, so that every step reuses one compiled `update` (and the
             # sampler's programs and a restore target find the loaded layout)
-            agent.params, agent.opt_state = jax.device_put((params, opt_state), shardings)
+            agent.params, agent.opt_state = _placed((params, opt_state), shardings)
         c = rollouts.completions
         metrics, correction, lengths, truncated = multihost.to_host((metrics, correction, c.lengths, c.truncated))
         metrics["update/padded_flops_fraction"] = padded

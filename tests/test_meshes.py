@@ -110,3 +110,22 @@ def test_adamw_moments_are_sharded_like_their_parameters_and_step_like_the_defau
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
     for x, s in zip(jax.tree.leaves(sharded[1][1][0].mu), param_shardings):  # the step keeps the layout
         assert x.sharding.is_equivalent_to(s, x.ndim)
+
+
+def test_placed_puts_every_leaf_on_its_sharding_unchanged():
+    """`cohort._placed` (the update's outputs back on the parameters' shardings, one program on every process):
+    leaves arrive on other shardings (replicated, another axis) and leave on the given ones, values untouched."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from corl_jax.cohort import _placed
+
+    mesh = make_mesh(data=2, fsdp=4)
+    want = {"w": NamedSharding(mesh, P("fsdp", None)), "b": NamedSharding(mesh, P("data"))}
+    have = {"w": NamedSharding(mesh, P()), "b": NamedSharding(mesh, P(None))}
+    values = {"w": np.arange(32.0).reshape(8, 4), "b": np.arange(4.0)}
+    tree = {k: jax.device_put(v, have[k]) for k, v in values.items()}
+    placed = _placed(tree, want)
+    for k in values:
+        assert placed[k].sharding == want[k]
+        np.testing.assert_array_equal(np.asarray(placed[k]), values[k])
