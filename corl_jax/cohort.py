@@ -391,7 +391,7 @@ def _score_packed(graphdef, params, micro, s: UpdateSettings):
 def _placed(tree, shardings):
     """`tree` on the (same-structured) `shardings`, by one program that every process runs. (`jax.device_put`
     decides leaf by leaf, from each array's sharding as its process reports it, whether to run a resharding program;
-    in a 2-process packed run the processes decided differently and hung in that program's collective.)"""
+    a 2-process packed run hung at step 2 with both processes inside those programs.)"""
     leaves, treedef = jax.tree.flatten(tree)
     return jax.tree.unflatten(treedef, _placer(tuple(jax.tree.leaves(shardings)))(leaves))
 
