@@ -75,23 +75,11 @@ def test_unpack_parts_names_missing_parts(tmp_path):
         smollm2.unpack_parts([part], tmp_path / "out")
 
 
-def _evidence_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / "evidence" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _sweep_module():
-    return _evidence_module("smollm2_sweep")
-
-
-@pytest.mark.parametrize("text, number", [("11 * 2 = 22\n\nSo, the answer is 22.", "22"), ("1,234 apples", "1234"),
-                                          ("x = 3.0", "3"), ("-5 and 7.5", "-5"), ("\\boxed{29}", "29"),
-                                          ("no digits", None)])
-def test_base_diagnostic_reads_the_last_integer(text, number):
-    """smollm2_base.py's format diagnostic: the last integer of a completion, whatever its format."""
-    assert _evidence_module("smollm2_base").last_number(text) == number
+    spec = importlib.util.spec_from_file_location("smollm2_sweep", REPO / "experiments" / "evidence" / "smollm2_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
 
 
 @pytest.mark.parametrize("split", ["rl", "test"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ def measure(directory, problems, *, samples: int, max_new_tokens: int, seed: int
     import jax
 
     from corl_jax.answers.math import extract_answer, grade_answer
+    from corl_jax.benchmarks import gsm8k_number
     from corl_jax.demo.bases import majority_correct
     from corl_jax.models import from_pretrained
     from corl_jax.sampling import Sampler, SamplingParams
@@ -55,18 +55,12 @@ def measure(directory, problems, *, samples: int, max_new_tokens: int, seed: int
                 t1_eos_rate=round(float((lengths < max_new_tokens).mean()), 4),
                 t1_mean_length=round(float(lengths.mean()), 1),
                 # diagnostics, not rewards: how often an answer is boxed (what the verifier reads), and how often
-                # the text's last number is the answer whatever its format
+                # the text's last number is the answer whatever its format (lm-eval's GSM8K flexible-extract)
                 greedy_boxed=share(["\\boxed" in row[0] for row in greedy]),
-                greedy_last_number=share([last_number(row[0]) == p.answer for row, p in zip(greedy, problems)]),
+                greedy_last_number=share([gsm8k_number(row[0]) == p.answer for row, p in zip(greedy, problems)]),
                 t1_boxed=share(["\\boxed" in t for t, _ in t1]),
-                t1_last_number=share([last_number(t) == p.answer for t, p in t1]),
+                t1_last_number=share([gsm8k_number(t) == p.answer for t, p in t1]),
                 example_greedy=greedy[0][0][:600])
-
-
-def last_number(text: str) -> str | None:
-    """The last integer written in `text` (commas and a trailing .0 dropped), as a string; None if there is none."""
-    numbers = re.findall(r"(?<![\d.])-?\d[\d,]*(?:\.0+)?(?![\d.]*\d)", text)
-    return numbers[-1].replace(",", "").split(".")[0] if numbers else None
 
 
 def main() -> None:
