@@ -440,10 +440,12 @@ def _attention(q, k, v, mask, c: ModelConfig):
 
 
 def _fused_attention(q, k, v, mask, implementation="cudnn"):
-    """`_attention` by cuDNN's fused kernel (no [T, S] scores in memory): same shapes, bf16/fp16 inputs.
+    """`_attention` by cuDNN's fused kernel (no [T, S] scores in memory): same shapes, bf16/fp16 inputs; `mask`
+    must lie inside the causal triangle (every full-sequence mask does), so cuDNN may skip the blocks above it.
     (implementation="xla" runs the same layout anywhere, for tests.)"""
     to_bshd = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, H_kv, S, hd] -> [B, S, H_kv, hd]
-    return jax.nn.dot_product_attention(q, to_bshd(k), to_bshd(v), mask=mask[:, None], implementation=implementation)
+    return jax.nn.dot_product_attention(q, to_bshd(k), to_bshd(v), mask=mask[:, None], is_causal=True,
+                                        implementation=implementation)
 
 
 def _mlp(x, p, c: ModelConfig):
