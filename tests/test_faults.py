@@ -19,7 +19,6 @@ import jax
 import numpy as np
 import pytest
 
-from cached_compiles import compilation_cache_env
 from config_files import load_config
 from corl_jax import workdir as run_dir
 from corl_jax.checkpointing import Checkpointer, fingerprint
@@ -45,26 +44,9 @@ def tiny(**train):
 
 
 @pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-    """A persistent compilation cache while this module runs: the in-process runs write their programs, and the
-    trainer subprocess of the SIGTERM test (same devices, same config) reads them instead of compiling again."""
-    from jax.experimental.compilation_cache import compilation_cache as cache
-
-    settings = {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("compilation_cache")),
-                "jax_persistent_cache_min_compile_time_secs": 0, "jax_persistent_cache_min_entry_size_bytes": 0}
-    saved = {name: getattr(jax.config, name) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-    cache.reset_cache()
-    yield settings["jax_compilation_cache_dir"]
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    cache.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, compilation_cache):
-    """An uninterrupted run that saves every step (its compiled programs go to the module's persistent cache)."""
+def straight(tmp_path_factory):
+    """An uninterrupted run that saves every step (its compiled programs go to the session's persistent cache, where
+    the SIGTERM test's trainer subprocess, same devices and config, reads them)."""
     workdir = tmp_path_factory.mktemp("straight")
     with pytest.MonkeyPatch.context() as m:
         m.setenv("CORL_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "zoo_cache"))
@@ -243,13 +225,12 @@ def test_sigint_finishes_the_step_saves_it_and_stops(tmp_path, monkeypatch, caps
     assert steps == [1, 2]  # and no evaluation was started after the signal
 
 
-def test_sigterm_saves_then_exits_143_and_resumes_exactly(straight, compilation_cache, tmp_path):
+def test_sigterm_saves_then_exits_143_and_resumes_exactly(straight, tmp_path):
     overrides = [f"--config.train.max_steps={STEPS}", "--config.train.eval_on_start=False",
                  "--config.train.eval_every=100", "--config.train.save_every=100"]
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ttrl.py:tiny", f"--workdir={tmp_path}",
            *overrides]
-    env = {**os.environ, **compilation_cache_env(compilation_cache)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 600
     while not (metrics.exists() and metrics.read_text().strip()):  # the first step is logged
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,7 +21,6 @@ import jax
 import numpy as np
 import pytest
 
-from cached_compiles import compilation_cache_env
 from corl_jax.checkpointing import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +44,8 @@ def _launch(workdir: Path, processes: int, devices: int, *flags: str,
             only: dict[int, tuple[str, ...]] | None = None) -> list[subprocess.Popen]:
     """`processes` trainers of `configs/ring3.py:tiny` with `devices` CPU devices each, sharing `workdir`; `only`
     adds flags to some processes."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),  # the session's XLA flags (conftest.py)
+           "XLA_FLAGS": re.sub(r"device_count=\d+", f"device_count={devices}", os.environ["XLA_FLAGS"])}
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}", *STEPS,
            *flags]
     if processes > 1:
@@ -125,15 +125,12 @@ def _assert_same_run(reference: Path, run: Path) -> None:
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    """The trainers' model zoo and a persistent compilation cache, shared by this module's runs (inherited through
-    the environment): the runs of one topology (2 x 4 shared: the equality run, the killed run and its restart)
-    compile once; process 0 writes each executable and every process reads it, bit for bit what it would compile."""
-    env = {"CORL_JAX_CACHE": str(tmp_path_factory.mktemp("zoo_cache")),  # the single-process run builds it first
-           **compilation_cache_env(tmp_path_factory.mktemp("compilation_cache"))}
-    os.environ.update(env)
-    yield env["CORL_JAX_CACHE"]
-    for name in env:
-        del os.environ[name]
+    """The trainers' model zoo, shared by this module's runs (inherited through the environment; the single-process
+    run builds it first). Their programs go to the session's compilation cache: the runs of one topology (2 x 4
+    shared: the equality run, the killed run and its restart) compile once, bit for bit what each would compile."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("CORL_JAX_CACHE", str(tmp_path_factory.mktemp("zoo_cache")))
+        yield os.environ["CORL_JAX_CACHE"]
 
 
 @pytest.fixture(scope="module")

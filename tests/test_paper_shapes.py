@@ -1,7 +1,6 @@
 """`random:<hub id>` stand-ins and experiments/bench/paper_shape_run.py end to end at CPU size (train, resume, eval)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cached_compiles import compilation_cache_env
 from corl_jax import compile_check
 from corl_jax.models.paper_shapes import PAPER_MODELS
 from corl_jax.registry import resolve_model_path
@@ -59,11 +57,10 @@ def test_bad_random_path_names_the_fix(path, fix):
         resolve_model_path(path)
 
 
-def test_paper_shape_run_tiny_end_to_end(tmp_path):  # (with a compilation cache: the resume reads the programs)
+def test_paper_shape_run_tiny_end_to_end(tmp_path):  # (the resume reads the session cache's programs)
     out = tmp_path / "result.json"
     subprocess.run([sys.executable, "experiments/bench/paper_shape_run.py", "--size=tiny", "--steps=1",
-                    f"--workdir={tmp_path / 'run'}", f"--out={out}"], cwd=REPO, check=True,
-                   env=dict(os.environ, **compilation_cache_env(tmp_path / "compilation_cache")))
+                    f"--workdir={tmp_path / 'run'}", f"--out={out}"], cwd=REPO, check=True)
     result = json.loads(out.read_text())
     assert [p for p in result["phases"]] == ["build", "first", "resume", "eval"]
     assert [row["step"] for row in result["steps"]] == [1, 2]  # the resume continued at step 2

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import random
 import re
 import signal
@@ -18,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cached_compiles import compilation_cache_env
 from config_files import load_config
 from corl_jax import grpo
 from corl_jax.checkpointing import Checkpointer
@@ -112,25 +109,21 @@ def test_parameters_change_and_stay_finite(tmp_path):
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final[name]["params"]))
 
 
-def _cli(workdir, *overrides, compilation_cache=None, **kwargs):
-    """The trainer CLI on ring3:tiny; with `compilation_cache` (a directory), runs after the first read the
-    programs it compiled instead of compiling them again."""
+def _cli(workdir, *overrides, **kwargs):
+    """The trainer CLI on ring3:tiny (its programs go to, and come from, the session's compilation cache)."""
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}",
            *overrides]
-    env = dict(os.environ, **(compilation_cache_env(compilation_cache) if compilation_cache else {}))
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            **kwargs)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     steps = ("--config.train.max_steps=5", "--config.train.save_every=1", "--config.train.eval_every=100",
              "--config.train.eval_on_start=False")
-    cli = functools.partial(_cli, compilation_cache=tmp_path / "compilation_cache")
-    reference = cli(tmp_path / "straight", *steps)
+    reference = _cli(tmp_path / "straight", *steps)
     out, _ = reference.communicate(timeout=900)
     assert reference.returncode == 0, out
 
-    interrupted = cli(tmp_path / "killed", *steps)
+    interrupted = _cli(tmp_path / "killed", *steps)
     checkpoints = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 600
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -140,7 +133,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     interrupted.send_signal(signal.SIGKILL)
     assert interrupted.wait() == -signal.SIGKILL, "the run ended before the kill: it tests no resume"
     assert Checkpointer(str(tmp_path / "killed")).latest_step() < 5
-    resumed = cli(tmp_path / "killed", *steps)
+    resumed = _cli(tmp_path / "killed", *steps)
     out, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, out
 
