@@ -102,7 +102,9 @@ def test_token_logprobs_and_stats_match_full_log_softmax(chunk_size, temperature
         _close(ours, theirs.numpy())
     only_logp = grpo.token_logprobs(jnp.asarray(hidden), jnp.asarray(unembed), jnp.asarray(targets),
                                     temperature=temperature, chunk_size=chunk_size)
-    np.testing.assert_array_equal(only_logp, logp)
+    # the same formula in another program: equal to float32 rounding (bit for bit at LLVM -O2; at the tests' -O0,
+    # temperature 0.6, one in six values comes out 1 ulp off)
+    np.testing.assert_allclose(only_logp, logp, rtol=1e-6, atol=0)
 
 
 def test_token_logprobs_gradients_match_torch_autograd():

@@ -1,6 +1,8 @@
 """`random:<hub id>` stand-ins and experiments/bench/paper_shape_run.py end to end at CPU size (train, resume, eval)."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +59,13 @@ def test_bad_random_path_names_the_fix(path, fix):
         resolve_model_path(path)
 
 
-def test_paper_shape_run_tiny_end_to_end(tmp_path):  # (the resume reads the session cache's programs)
+def test_paper_shape_run_tiny_end_to_end(tmp_path):
+    """On one device, as the paper-scale run is (the resume reads the session cache's programs)."""
     out = tmp_path / "result.json"
+    one_device = re.sub(r"device_count=\d+", "device_count=1", os.environ["XLA_FLAGS"])
     subprocess.run([sys.executable, "experiments/bench/paper_shape_run.py", "--size=tiny", "--steps=1",
-                    f"--workdir={tmp_path / 'run'}", f"--out={out}"], cwd=REPO, check=True)
+                    f"--workdir={tmp_path / 'run'}", f"--out={out}"], cwd=REPO, check=True,
+                   env=dict(os.environ, XLA_FLAGS=one_device))
     result = json.loads(out.read_text())
     assert [p for p in result["phases"]] == ["build", "first", "resume", "eval"]
     assert [row["step"] for row in result["steps"]] == [1, 2]  # the resume continued at step 2
