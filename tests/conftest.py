@@ -1,5 +1,5 @@
-"""Test session setup: 8 fake CPU devices for sharding tests and quick XLA:CPU compiles (set before jax is
-imported; subprocesses inherit them), one persistent compilation cache for the session, and compiled programs
+"""Test session setup: 8 fake CPU devices for sharding tests and quick XLA:CPU compiles (tests/cpu_flags.py; set
+before jax is imported, subprocesses inherit them), one persistent compilation cache for the session, and compiled programs
 released after every test module."""
 
 import gc
@@ -7,15 +7,10 @@ import os
 
 import pytest
 
-# The tests' programs are tiny and most run a few times, so compiling them costs more than running them: LLVM at -O0
-# without its expensive passes (the same HLO and fusions; a tiny ring3 trainer run takes 109 s instead of 160 s,
-# a demo base builds in 40 s instead of 54 s).
-TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_backend_optimization_level": "0",
-                  "--xla_llvm_disable_expensive_passes": "true"}
+from cpu_flags import session_xla_flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + [
-    f"{flag}={value}" for flag, value in TEST_XLA_FLAGS.items() if flag not in os.environ.get("XLA_FLAGS", "")]).strip()
+os.environ["XLA_FLAGS"] = session_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 @pytest.fixture(autouse=True, scope="session")

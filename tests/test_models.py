@@ -209,8 +209,9 @@ LLAMA32_5X = {**{k: v for k, v in LLAMA32_4X.items() if k not in ("rope_theta", 
 
 
 def test_fused_attention_layout_equals_einsum_attention():
-    """The cuDNN path's plumbing (K/V transposes, GQA grouping, a left-padded causal mask broadcast over heads),
-    run by jax.nn.dot_product_attention's XLA implementation, equals `_attention` (cuDNN itself: GPU benchmark)."""
+    """The cuDNN path's plumbing (K/V transposes, GQA grouping, `is_causal` beside a left-padded or packed mask
+    broadcast over heads), run by jax.nn.dot_product_attention's XLA implementation, equals `_attention` (cuDNN
+    itself: GPU benchmark)."""
     from corl_jax.models.decoder import _attention, _fused_attention
 
     B, T, H, K, hd = 2, 7, 6, 2, 8
@@ -224,6 +225,13 @@ def test_fused_attention_layout_equals_einsum_attention():
     rows = np.asarray(mask)  # padding query rows are garbage in both (masked downstream)
     np.testing.assert_allclose(np.asarray(_fused_attention(q, k, v, full, implementation="xla"))[rows],
                                np.asarray(_attention(q, k, v, full, c))[rows], atol=1e-5)
+    # packed lines (segment ids, 0 = padding): block-diagonal causal, as `Decoder.__call__` builds it
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 0, 0], [1, 1, 2, 2, 2, 3, 3]])
+    packed = (jnp.tril(jnp.ones((T, T), bool))[None] & (segments[:, :, None] == segments[:, None, :])
+              & (segments[:, None, :] != 0))
+    rows = np.asarray(segments) != 0
+    np.testing.assert_allclose(np.asarray(_fused_attention(q, k, v, packed, implementation="xla"))[rows],
+                               np.asarray(_attention(q, k, v, packed, c))[rows], atol=1e-5)
     assert c.train_attention == "xla"  # by default
     assert dataclasses.replace(c, attention="auto").train_attention == "xla"  # auto on CPUs
     assert dataclasses.replace(c, attention="cudnn").train_attention == "cudnn"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 from corl_jax.checkpointing import Checkpointer
+from cpu_flags import xla_flags_with_devices
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("--config.train.max_steps=2", "--config.train.save_every=1", "--config.train.eval_every=2",
@@ -44,8 +44,7 @@ def _launch(workdir: Path, processes: int, devices: int, *flags: str,
             only: dict[int, tuple[str, ...]] | None = None) -> list[subprocess.Popen]:
     """`processes` trainers of `configs/ring3.py:tiny` with `devices` CPU devices each, sharing `workdir`; `only`
     adds flags to some processes."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),  # the session's XLA flags (conftest.py)
-           "XLA_FLAGS": re.sub(r"device_count=\d+", f"device_count={devices}", os.environ["XLA_FLAGS"])}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "XLA_FLAGS": xla_flags_with_devices(devices)}
     cmd = [sys.executable, "-m", "corl_jax.train", "--config=configs/ring3.py:tiny", f"--workdir={workdir}", *STEPS,
            *flags]
     if processes > 1:

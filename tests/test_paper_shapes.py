@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from corl_jax.models.paper_shapes import PAPER_MODELS
 from corl_jax.registry import resolve_model_path
 from corl_jax.stand_ins import load_policy
 from corl_jax.tokenization import decode_completions
+from cpu_flags import xla_flags_with_devices
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = "@num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2"
@@ -62,10 +62,9 @@ def test_bad_random_path_names_the_fix(path, fix):
 def test_paper_shape_run_tiny_end_to_end(tmp_path):
     """On one device, as the paper-scale run is (the resume reads the session cache's programs)."""
     out = tmp_path / "result.json"
-    one_device = re.sub(r"device_count=\d+", "device_count=1", os.environ["XLA_FLAGS"])
     subprocess.run([sys.executable, "experiments/bench/paper_shape_run.py", "--size=tiny", "--steps=1",
                     f"--workdir={tmp_path / 'run'}", f"--out={out}"], cwd=REPO, check=True,
-                   env=dict(os.environ, XLA_FLAGS=one_device))
+                   env=dict(os.environ, XLA_FLAGS=xla_flags_with_devices(1)))
     result = json.loads(out.read_text())
     assert [p for p in result["phases"]] == ["build", "first", "resume", "eval"]
     assert [row["step"] for row in result["steps"]] == [1, 2]  # the resume continued at step 2
