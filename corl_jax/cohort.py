@@ -162,7 +162,7 @@ def make_agent(config: ml_collections.ConfigDict, name: str, index: int, policy:
         sampler=Sampler.from_policy(policy, stop_ids=stop_ids, attention=config.rollout.decode_attention,
                                     compaction=config.rollout.decode_compaction),
         key=jax.random.key(config.seed + index),
-        ref_params=jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None)
+        ref_params=_leafwise(jnp.copy, params) if config.grpo.beta > 0 else None)
 
 
 def agent_meshes(config: ml_collections.ConfigDict, devices: list, placement: str) -> list:
@@ -333,7 +333,7 @@ def bucketed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSett
     prompt_len = batch["tokens"].shape[1] - batch["completion_mask"].shape[1]
     batch = dict(batch, row_weights=_row_weights(batch["completion_mask"], s))
     order, prompt_widths, micro_widths = plan
-    grads = jax.tree.map(jnp.zeros_like, params)
+    grads = _leafwise(jnp.zeros_like, params)
     loss, rows = jnp.zeros((), jnp.float32), []
 
     def trim(key, x, idx, prompt_width, width):
@@ -403,6 +403,21 @@ def _placer(shardings: tuple):
     return jax.jit(lambda leaves: leaves, out_shardings=list(shardings), donate_argnums=0)
 
 
+def _leafwise(fn, tree):
+    """`jax.tree.map(fn, tree)` for a one-array `fn` (`jnp.zeros_like`, `jnp.copy`) as one program whose outputs keep
+    the leaves' shardings. Eagerly every leaf is a program of its own, and on several CPU processes such a burst
+    right behind a collective program hung XLA:CPU (2 x 4 packed run, at step 2 or 3, 2 hangs in ~20 runs): in each
+    process three devices' parts of an all-reduce waited in gloo for the fourth, which waited for a launch slot on
+    its device (`xla::Semaphore` in `CpuPjRtRawLoadedExecutable::Execute`)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, _leafwise_program(fn, tuple(x.sharding for x in leaves))(leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _leafwise_program(fn, shardings: tuple):
+    return jax.jit(lambda leaves: [fn(x) for x in leaves], out_shardings=list(shardings))
+
+
 @jax.jit
 def _sum_trees(trees: list):
     """The leafwise sum of same-structured trees, as one program (one per list length). Summed eagerly, the adds of
@@ -429,7 +444,7 @@ def packed_update(graphdef, optimizer, params, opt_state, batch, s: UpdateSettin
     old_logp, is_ratio, ref_logp); row weights come from the whole step's mask in the batch's (reference) order, so
     loss, gradient and metrics equal `update`'s up to float summation order."""
     batch = dict(batch, row_weights=_row_weights(batch["completion_mask"], s))
-    grads = jax.tree.map(jnp.zeros_like, params)
+    grads = _leafwise(jnp.zeros_like, params)
     loss, rows = jnp.zeros((), jnp.float32), []
     for micro in micros:
         grads, loss, micro_rows = _accumulate_packed(graphdef, params, grads, loss, s, batch, micro)

@@ -129,3 +129,28 @@ def test_placed_puts_every_leaf_on_its_sharding_unchanged():
     for k in values:
         assert placed[k].sharding == want[k]
         np.testing.assert_array_equal(np.asarray(placed[k]), values[k])
+
+
+def test_leafwise_equals_tree_map_on_every_leaf_sharding():
+    """`cohort._leafwise` (the update's zero gradients, the KL reference's copy) equals `jax.tree.map` leaf for leaf,
+    on each leaf's own sharding, and the copy owns its buffers (the update donates the parameters')."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from corl_jax.cohort import _leafwise
+
+    mesh = make_mesh(data=2, fsdp=4)
+    shardings = {"w": NamedSharding(mesh, P("fsdp", None)), "b": NamedSharding(mesh, P("data")),
+                 "s": NamedSharding(mesh, P())}
+    values = {"w": np.arange(32.0, dtype=np.float32).reshape(8, 4), "b": np.arange(4, dtype=np.int32),
+              "s": np.float32(3.0)}
+    tree = {k: jax.device_put(v, shardings[k]) for k, v in values.items()}
+    for fn in (jnp.zeros_like, jnp.copy):
+        out = _leafwise(fn, tree)
+        for k, v in values.items():
+            assert out[k].sharding == shardings[k] and out[k].dtype == v.dtype
+            np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(fn(v)))
+    copy = _leafwise(jnp.copy, tree)
+    jax.tree.map(lambda x: x.delete(), tree)
+    np.testing.assert_array_equal(np.asarray(copy["w"]), values["w"])
