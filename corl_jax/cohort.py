@@ -406,7 +406,7 @@ def _placer(shardings: tuple):
 def _leafwise(fn, tree):
     """`jax.tree.map(fn, tree)` for a one-array `fn` (`jnp.zeros_like`, `jnp.copy`) as one program whose outputs keep
     the leaves' shardings. Eagerly every leaf is a program of its own, and on several CPU processes such a burst
-    right behind a collective program hung XLA:CPU (2 x 4 packed run, at step 2 or 3, 2 hangs in ~20 runs): in each
+    right behind a collective program hung XLA:CPU (2 x 4 packed run, at step 2 or 3, 2 hangs in 15 runs): in each
     process three devices' parts of an all-reduce waited in gloo for the fourth, which waited for a launch slot on
     its device (`xla::Semaphore` in `CpuPjRtRawLoadedExecutable::Execute`)."""
     leaves, treedef = jax.tree.flatten(tree)
