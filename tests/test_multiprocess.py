@@ -71,8 +71,8 @@ def _stacks(procs: list[subprocess.Popen], done: int) -> str:
     for p in procs[done:]:
         if p.poll() is None:
             p.send_signal(signal.SIGABRT)
-    return "\n".join(f"--- process {i} (exit {p.returncode}):\n{p.communicate(timeout=120)[0][-5000:]}"
-                     for i, p in enumerate(procs) if i >= done)
+    tails = {i: p.communicate(timeout=120)[0][-5000:] for i, p in enumerate(procs) if i >= done}
+    return "\n".join(f"--- process {i} (exit {procs[i].returncode}):\n{tail}" for i, tail in tails.items())
 
 
 def _outputs(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[str]:
